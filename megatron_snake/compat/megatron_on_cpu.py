@@ -1,0 +1,228 @@
+"""Megatron-Core 0.16.1 on a CPU-only torch: the five patches, in one place.
+
+Megatron-Core assumes CUDA in a few places. On a machine whose compute device is the CPU
+we patch exactly these (see shared/MEGATRON_ON_CPU.md for how each was found):
+
+1. RNG tracker: Megatron's tracker saves and restores the CUDA generator. On CPU, dropout
+   draws from the CPU generator, so the tracker must fork that one (it runs on every
+   attention-dropout call, so it has to really work, not just not crash).
+2. ``torch.cuda.current_device()`` is used as a device in ~175 places: return ``"cpu"``.
+3. Pipeline p2p calls ``torch.cuda.synchronize()``: a no-op on CPU.
+4. Hard-coded ``device="cuda"``, ``.to("cuda")`` and ``.cuda()``: a TorchFunctionMode maps
+   them to the CPU.
+5. Megatron's optimizers test ``param.type() == "torch.cuda.FloatTensor"``: the same mode
+   answers CUDA type names for CPU floating tensors.
+
+``PATCHED_SITES`` lists a source fragment of every Megatron site these patches stand in
+for; ``check_patched_sites()`` (and a test) fail loudly when a site moves or changes.
+Nothing here is applied when a GPU is the compute device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+
+_applied = False
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class PatchedSite:
+    """A Megatron-Core function whose source must contain ``fragment`` for a patch to hold."""
+
+    module: str
+    qualname: str
+    fragment: str
+    patch: int  # which of the five patches covers it
+
+    def source(self) -> str:
+        obj = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return inspect.getsource(obj)
+
+
+PATCHED_SITES = (
+    PatchedSite("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed",
+                "_CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME", 1),
+    PatchedSite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
+                "torch.cuda.get_rng_state()", 1),
+    PatchedSite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork",
+                "_set_cuda_rng_state(self.states_[name]", 1),
+    PatchedSite("megatron.core.tensor_parallel.random", "_get_all_rng_states",
+                "_get_cuda_rng_state(", 1),
+    PatchedSite("megatron.core.tensor_parallel.random", "_set_all_rng_states",
+                "_set_cuda_rng_state(", 1),
+    PatchedSite("megatron.core.tensor_parallel.random", "initialize_rng_tracker",
+                "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:", 1),
+    PatchedSite("megatron.core.models.common.embeddings.rotary_pos_embedding",
+                "RotaryEmbedding.get_emb", "torch.cuda.current_device()", 2),
+    PatchedSite("megatron.core.utils", "GlobalMemoryBuffer.get_tensor",
+                "torch.cuda.current_device()", 2),
+    PatchedSite("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
+                "torch.cuda.synchronize()", 3),
+    PatchedSite("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+                'device="cuda"', 4),
+    PatchedSite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+                "param.type() == 'torch.cuda.FloatTensor'", 5),
+    PatchedSite("megatron.core.optimizer.distrib_optimizer",
+                "DistributedOptimizer._build_model_and_main_param_groups",
+                "model_param.type() == 'torch.cuda.FloatTensor'", 5),
+)
+
+
+class PatchedSiteMoved(RuntimeError):
+    pass
+
+
+def check_patched_sites() -> None:
+    """Raise PatchedSiteMoved naming every site whose source no longer matches."""
+    import megatron.core
+
+    problems = []
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != SUPPORTED_MEGATRON_CORE:
+        problems.append(f"megatron-core is {version}, the CPU patches were written for "
+                        f"{SUPPORTED_MEGATRON_CORE}")
+    for site in PATCHED_SITES:
+        try:
+            src = site.source()
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"patch {site.patch}: {site.module}.{site.qualname} is gone ({exc})")
+            continue
+        if site.fragment not in src:
+            problems.append(f"patch {site.patch}: {site.module}.{site.qualname} no longer "
+                            f"contains {site.fragment!r}")
+    if problems:
+        raise PatchedSiteMoved(
+            "megatron_snake's Megatron-Core-on-CPU patches no longer match this megatron-core "
+            "(pin megatron-core==0.16.1 or update megatron_snake/compat/megatron_on_cpu.py):\n  "
+            + "\n  ".join(problems))
+
+
+# --- patch 1: an RNG tracker that forks the CPU generator ---------------------------------
+
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's named RNG states, kept for the CPU generator (dropout on CPU uses it)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+def _install_cpu_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _make_cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Megatron's activation checkpointing saves/restores "the CUDA state" next to the CPU
+    # one; on CPU they are the same generator.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+# --- patches 4 and 5: one TorchFunctionMode ----------------------------------------------
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device="cuda"``, ``.to("cuda")`` and ``.cuda()`` to the CPU, and answers
+    CUDA type names from ``Tensor.type()`` for CPU float tensors (Megatron's optimizers
+    check them)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0].to("cpu", **{k: v for k, v in kwargs.items() if k == "non_blocking"})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+_mode = None
+
+
+def apply(device: torch.device | str | None = None) -> bool:
+    """Patch Megatron-Core for a CPU compute device. Returns True if patches are active.
+
+    Idempotent. Does nothing (returns False) when the compute device is a GPU.
+    """
+    global _applied, _mode
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type != "cpu":
+        return False
+    with _lock:
+        if _applied:
+            return True
+        check_patched_sites()
+        _install_cpu_rng()
+        torch.cuda.current_device = lambda: "cpu"          # patch 2
+        torch.cuda.synchronize = lambda *args, **kwargs: None  # patch 3
+        _mode = CudaToCpuMode()
+        _mode.__enter__()  # stays active for the life of the process (this thread)
+        _applied = True
+        return True
+
+
+def is_applied() -> bool:
+    return _applied

@@ -1,0 +1,63 @@
+"""What the vertical schedule asks of storage: unit-input checkpoints and unit weights.
+
+The schedule never knows where a tensor lives. It saves a checkpoint and loads it back
+later; it acquires a unit's weights before computing the unit (naming the unit it will
+need next, so a store can prefetch it) and releases them after. ``InMemoryStore`` keeps
+everything where it is; the offloading stores of megatron_snake.offload implement the same
+methods over GPU, host memory and NVMe.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class UnitStore(Protocol):
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: torch.Tensor) -> None: ...
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> torch.Tensor: ...
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None: ...
+
+    def acquire_unit(self, unit: int, *, next_unit: int | None, for_backward: bool) -> None: ...
+
+    def release_unit(self, unit: int, *, gradients_final: bool) -> None: ...
+
+
+class InMemoryStore:
+    """Checkpoints stay on the compute device; weights stay in the model."""
+
+    def __init__(self):
+        self._checkpoints: dict[tuple[int, int], torch.Tensor] = {}
+        self.checkpoint_bytes = 0
+        self.peak_checkpoint_bytes = 0
+        self.unit_events: list[tuple[str, int]] = []  # ("acquire"|"release", unit), in order
+
+    def save_checkpoint(self, unit, microbatch, hidden):
+        key = (unit, microbatch)
+        if key in self._checkpoints:
+            raise KeyError(f"checkpoint for unit {unit}, micro-batch {microbatch} saved twice")
+        self._checkpoints[key] = hidden
+        self.checkpoint_bytes += hidden.numel() * hidden.element_size()
+        self.peak_checkpoint_bytes = max(self.peak_checkpoint_bytes, self.checkpoint_bytes)
+
+    def load_checkpoint(self, unit, microbatch):
+        try:
+            return self._checkpoints[(unit, microbatch)]
+        except KeyError:
+            raise KeyError(f"no checkpoint for unit {unit}, micro-batch {microbatch}") from None
+
+    def drop_checkpoint(self, unit, microbatch):
+        hidden = self._checkpoints.pop((unit, microbatch))
+        self.checkpoint_bytes -= hidden.numel() * hidden.element_size()
+
+    def acquire_unit(self, unit, *, next_unit, for_backward):
+        self.unit_events.append(("acquire", unit))
+
+    def release_unit(self, unit, *, gradients_final):
+        self.unit_events.append(("release", unit))
+
+    def __len__(self):
+        return len(self._checkpoints)

@@ -1,0 +1,77 @@
+"""Process group, Megatron model-parallel state, compute device and seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_snake.compat import megatron_on_cpu
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto``: the local GPU when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but torch sees no GPU; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
+               pipeline_model_parallel_size: int = 1, seed: int = 1234) -> None:
+    """Start torch.distributed (torchrun's environment, or a single local process),
+    Megatron's parallel state, and seed every RNG the way Megatron-LM does."""
+    megatron_on_cpu.apply(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        world = dist.get_world_size()
+        if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
+            raise ValueError(
+                f"world size {world} is not divisible by --tensor-model-parallel-size "
+                f"{tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                f"{pipeline_model_parallel_size}")
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size)
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Megatron-LM's ``_set_random_seed``: a different seed per pipeline stage."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

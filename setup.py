@@ -1,0 +1,74 @@
+"""megatron_snake: SSD-offloaded LLM training as an extension of Megatron-Core.
+
+torch is deliberately NOT an install requirement: pip would resolve an unpinned torch to
+the newest CUDA build on a machine that has none, or replace a torch the user already has.
+Install torch first (tools/install.sh does it only when torch is missing).
+"""
+
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """Build the native I/O engine when possible; a failed build falls back to Python I/O.
+
+    The engine takes raw pointers and lengths and never links against torch, so one build
+    serves every torch version.
+    """
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
+            self._warn(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc):
+        sys.stderr.write(
+            f"WARNING: megatron_snake native I/O engine not built ({exc}); "
+            "the pure-Python fallback will be used. Install liburing-dev and a C compiler "
+            "to build it.\n"
+        )
+
+
+def native_extensions():
+    if os.environ.get("SNAKE_NO_NATIVE") == "1":
+        return []
+    return [
+        Extension(
+            "megatron_snake._snake_aio",
+            sources=["csrc/snake_aio.c"],
+            libraries=["uring"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+        )
+    ]
+
+
+setup(
+    name="megatron_snake",
+    version="0.1.0",
+    description="SSD-offloaded LLM training (vertical schedule) on Megatron-Core",
+    packages=find_packages(include=["megatron_snake", "megatron_snake.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "megatron-core==0.16.1",
+        "numpy",
+        "packaging",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout"],
+        # GPU-only, optional; the local layer spec and the native engine are the defaults.
+        "gpu": ["transformer-engine[pytorch]", "kvikio-cu12", "nvidia-dali-cuda120"],
+    },
+    ext_modules=native_extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
+)
