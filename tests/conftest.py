@@ -1,0 +1,99 @@
+"""Shared fixtures: one single-rank Megatron world per test process, tiny GPTs, micro-batches,
+and Megatron-Core's own schedule as the reference."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """torch.distributed (gloo, world size 1) + Megatron parallel state, on the CPU."""
+    from megatron_snake.training import distributed
+
+    torch.set_num_threads(2)
+    device = distributed.resolve_device("cpu")
+    distributed.initialize(device=device, seed=1234)
+    yield device
+    distributed.shutdown()
+
+
+def tiny_args(*extra: str):
+    """Parsed pretrain_gpt flags for a tiny fp32 GPT without dropout."""
+    from megatron_snake.training.arguments import parse_args
+
+    base = ["--num-layers", "5", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    return parse_args(base + list(extra))
+
+
+def build_model(args, device, seed: int = 7):
+    from megatron_snake.training.distributed import set_seed
+    from megatron_snake.training.model import build_gpt_model
+
+    set_seed(seed)
+    return build_gpt_model(args, VOCAB, device)
+
+
+def make_microbatches(num: int, batch: int = 2, seq: int = 16, seed: int = 0,
+                      vocab: int = VOCAB):
+    """Random GPT micro-batches with Megatron's keys; the loss mask drops a few tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
+    mbs = []
+    for _ in range(num):
+        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        loss_mask = (torch.rand(batch, seq, generator=gen) > 0.1).float()
+        mbs.append(dict(tokens=text[:, :-1].contiguous(), labels=text[:, 1:].contiguous(),
+                        loss_mask=loss_mask,
+                        attention_mask=causal[None, None].expand(batch, 1, seq, seq),
+                        position_ids=torch.arange(seq)[None].expand(batch, seq)))
+    return mbs
+
+
+def megatron_forward_backward(model, microbatches, forward_only: bool = False):
+    """Megatron-Core's forward_backward_no_pipelining with pretrain_gpt's forward step and
+    loss. Returns per-micro-batch masked-mean losses."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_snake.schedule.loss import masked_loss_sum
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+
+        def loss_func(output_tensor):
+            loss, num_tokens = masked_loss_sum(output_tensor, mb["loss_mask"])
+            return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1),
+                                                            num_tokens.view(1).float()])}
+        return output, loss_func
+
+    seq = microbatches[0]["tokens"].shape[1]
+    out = forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=model,
+        num_microbatches=len(microbatches), seq_length=seq,
+        micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
+    return [r["lm loss"][0] / r["lm loss"][1] for r in out]
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    """Accumulated gradients by name: ``main_grad`` under Megatron DDP, else ``grad``."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        grads[name] = (p.grad if g is None else g).detach().clone()
+    return grads
+
+
+def zero_gradients(model) -> None:
+    if hasattr(model, "zero_grad_buffer"):
+        model.zero_grad_buffer()
+    for p in model.parameters():
+        p.grad = None
