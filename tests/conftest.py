@@ -18,7 +18,7 @@ def megatron_world():
     """torch.distributed (gloo, world size 1) + Megatron parallel state, on the CPU."""
     from megatron_snake.training import distributed
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # 2 cores; spawned ranks and helpers must not oversubscribe
     device = distributed.resolve_device("cpu")
     distributed.initialize(device=device, seed=1234)
     yield device
@@ -61,26 +61,9 @@ def make_microbatches(num: int, batch: int = 2, seq: int = 16, seed: int = 0,
 def megatron_forward_backward(model, microbatches, forward_only: bool = False):
     """Megatron-Core's forward_backward_no_pipelining with pretrain_gpt's forward step and
     loss. Returns per-micro-batch masked-mean losses."""
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron_snake.training.schedules import megatron_forward_backward as reference
 
-    from megatron_snake.schedule.loss import masked_loss_sum
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        output = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
-
-        def loss_func(output_tensor):
-            loss, num_tokens = masked_loss_sum(output_tensor, mb["loss_mask"])
-            return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1),
-                                                            num_tokens.view(1).float()])}
-        return output, loss_func
-
-    seq = microbatches[0]["tokens"].shape[1]
-    out = forward_backward_no_pipelining(
-        forward_step_func=forward_step, data_iterator=iter(microbatches), model=model,
-        num_microbatches=len(microbatches), seq_length=seq,
-        micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
-    return [r["lm loss"][0] / r["lm loss"][1] for r in out]
+    return reference(model, microbatches, forward_only=forward_only)
 
 
 def gradients(model) -> dict[str, torch.Tensor]:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
     g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving a checkpoint if --save is given) once the iteration "
+                        "is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--deterministic-mode", action="store_true",
                    help="torch.use_deterministic_algorithms(True)")
@@ -65,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -183,6 +186,13 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"than --seq-length {args.seq_length}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    warmup = args.lr_warmup_iters if args.lr_warmup_fraction is None \
+        else int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_iters < 1 or warmup >= args.lr_decay_iters:
+        _fail(parser, "--lr-warmup-iters", f"warm-up ({warmup} iterations) must be shorter "
+              f"than --lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
+    if args.min_lr > args.lr:
+        _fail(parser, "--min-lr", f"{args.min_lr} is larger than --lr {args.lr}")
     if args.load is not None and not os.path.isdir(args.load):
         _fail(parser, "--load", f"directory {args.load!r} does not exist; give the --save "
               "directory of an earlier run, or drop --load to start from scratch")

@@ -1,0 +1,141 @@
+"""The training loop: build, (resume), step, log, evaluate, save.
+
+Megatron-LM's ``pretrain`` reduced to the parts a GPT pretraining run needs, with the
+forward/backward of a step chosen by ``--snake-offload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.transformer.module import Float16Module
+
+from megatron_snake.training import checkpointing, distributed
+from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
+from megatron_snake.training.model import build_gpt_model, wrap_ddp
+from megatron_snake.training.optimizer import build_optimizer
+from megatron_snake.training.schedules import make_forward_backward
+from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron_snake.training.train_log import TrainLog
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+            for k, v in batch.items()}
+
+
+def _lm_loss(losses, microbatches) -> float:
+    """Token-weighted mean over the step's micro-batches and data-parallel ranks, the way
+    Megatron-LM averages ``lm loss``."""
+    tokens = [mb["loss_mask"].sum() for mb in microbatches]
+    totals = torch.stack([sum(l.float() * n for l, n in zip(losses, tokens)),
+                          sum(tokens).float()]).double()
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
+    return [_to_device(next(iterator), device) for _ in range(count)]
+
+
+def evaluate(args, model, forward_backward, valid_ds, device) -> float:
+    """``--eval-iters`` forward-only steps over the validation set, from its start."""
+    model.eval()
+    it = micro_batches(valid_ds, micro_batch_size=args.micro_batch_size,
+                       data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                       data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                       consumed_samples=0)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            mbs = _next_microbatches(it, args.num_microbatches, device)
+            total += _lm_loss(forward_backward(model, mbs, forward_only=True), mbs)
+    model.train()
+    return total / max(args.eval_iters, 1)
+
+
+def pretrain(args: argparse.Namespace) -> list[float]:
+    """Train as the flags say. Returns the lm loss of every iteration run here."""
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+    device = distributed.resolve_device(args.device)
+    distributed.initialize(device=device,
+                           tensor_model_parallel_size=args.tensor_model_parallel_size,
+                           pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                           seed=args.seed)
+    rank = dist.get_rank()
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+
+    gpt = build_gpt_model(args, vocab, device)
+    if args.bf16 or args.fp16:
+        gpt = Float16Module(gpt.config, gpt)
+    model = wrap_ddp(gpt)
+    optimizer, scheduler = build_optimizer(args, model)
+    config = gpt.config
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+    log = TrainLog(args, vocab, device, rank=rank)
+    schedule = f"vertical (snake), checkpoint interval {args.snake_checkpoint_interval}" \
+        if args.snake_offload else "megatron (forward_backward_no_pipelining)"
+    n_params = sum(p.numel() for p in gpt.parameters())
+    log.print(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, "
+              f"schedule {schedule}, {args.num_microbatches} micro-batches of "
+              f"{args.micro_batch_size} x {args.seq_length} tokens per step")
+
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = checkpointing.load_checkpoint(
+            args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args)
+        log.print(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        mock=args.mock_data, data_path=args.data_path, split=args.split,
+        seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+        num_samples=num_samples_for(args.train_iters, args.global_batch_size,
+                                    args.eval_interval, args.eval_iters))
+    train_iter = micro_batches(train_ds, micro_batch_size=args.micro_batch_size,
+                               data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                               data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                               consumed_samples=consumed)
+    forward_backward = make_forward_backward(args)
+
+    model.train()
+    history = []
+    while iteration < args.train_iters:
+        mbs = _next_microbatches(train_iter, args.num_microbatches, device)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(model, mbs)
+        update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        consumed += args.global_batch_size
+        lm_loss = _lm_loss(losses, mbs)
+        history.append(lm_loss)
+        log.step(iteration=iteration, consumed_samples=consumed, lm_loss=lm_loss,
+                 lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+                 loss_scale=optimizer.get_loss_scale().item(), skipped=not update_successful)
+        if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            log.validation(iteration, evaluate(args, model, forward_backward, valid_ds, device))
+        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        periodic = bool(args.save_interval) and iteration % args.save_interval == 0
+        last = iteration == args.train_iters or exiting
+        if args.save and (periodic or last):
+            checkpointing.save_checkpoint(args.save, iteration=iteration,
+                                          consumed_samples=consumed, model=model,
+                                          optimizer=optimizer, scheduler=scheduler, args=args)
+            log.print(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        if exiting:
+            log.print(f"> exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    return history

@@ -1,0 +1,59 @@
+"""Megatron-Core's optimizer and learning-rate scheduler, configured from the flags.
+
+Both schedules (Megatron's and the vertical one) step the same optimizer, so a run with and
+without ``--snake-offload`` differs only in the order of the forward/backward work.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=False,
+    )
+
+
+def build_optimizer(args: argparse.Namespace, model):
+    """Megatron's optimizer (no weight decay on biases and norms) and its LR schedule."""
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model])
+    warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=None,
+        lr_wsd_decay_style=None,
+    )
+    return optimizer, scheduler

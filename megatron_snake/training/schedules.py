@@ -1,0 +1,55 @@
+"""The two ways a step's micro-batches are run, behind one signature.
+
+``megatron`` is Megatron-Core's own ``forward_backward_no_pipelining`` with pretrain_gpt's
+forward step and loss; ``vertical`` is megatron_snake's snake schedule. Both take the model
+and a list of micro-batch dicts and return the per-micro-batch masked-mean losses.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+from megatron_snake.schedule.loss import masked_loss_sum
+from megatron_snake.schedule.vertical import vertical_forward_backward
+
+StepFn = Callable[..., list]
+
+
+def pretrain_gpt_forward_step(data_iterator, model):
+    """Megatron-LM pretrain_gpt's ``forward_step``: the model's per-token loss, and a loss
+    function returning (loss sum, token count, reporting values)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss, num_tokens = masked_loss_sum(output_tensor, batch["loss_mask"])
+        report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, loss_func
+
+
+def megatron_forward_backward(model, microbatches, *, forward_only: bool = False):
+    tokens = microbatches[0]["tokens"]
+    store = forward_backward_no_pipelining(
+        forward_step_func=pretrain_gpt_forward_step, data_iterator=iter(microbatches),
+        model=model, num_microbatches=len(microbatches), seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0], forward_only=forward_only)
+    return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
+
+
+def make_forward_backward(args) -> StepFn:
+    """The step function the flags ask for."""
+    if not args.snake_offload:
+        return megatron_forward_backward
+
+    def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
+        return vertical_forward_backward(model, microbatches,
+                                         checkpoint_interval=args.snake_checkpoint_interval,
+                                         forward_only=forward_only)
+
+    return snake_forward_backward

@@ -1,0 +1,108 @@
+"""Megatron-style per-iteration log lines: loss, throughput, model TFLOP/s, memory."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import sys
+import time
+from datetime import datetime
+
+import torch
+
+
+def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> float:
+    """Model FLOPs of one iteration (forward + backward, no recompute), the way Megatron-LM
+    counts them for a dense GPT: 2 FLOPs per multiply-add, backward = 2 x forward."""
+    h, s, L = args.hidden_size, args.seq_length, args.num_layers
+    kv = args.kv_channels or h // args.num_attention_heads
+    q_size = kv * args.num_attention_heads
+    gated = 1.5 if args.swiglu else 1.0
+    per_token_per_layer = (
+        2 * h * q_size  # Q and output projections
+        + 2 * h * kv * args.num_query_groups  # K and V projections
+        + 2 * s * q_size  # attention scores and attention over values
+        + 2 * h * args.ffn_hidden_size * gated  # MLP
+    )
+    per_token = L * per_token_per_layer + h * vocab_size  # + logits
+    return 3 * 2 * per_token * s * args.global_batch_size
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class TrainLog:
+    """Accumulates between log lines and prints them (rank 0 only)."""
+
+    def __init__(self, args, vocab_size: int, device: torch.device, *, rank: int = 0,
+                 stream=sys.stdout):
+        self.args, self.device, self.rank, self.stream = args, device, rank, stream
+        self.flops = model_flops_per_iteration(args, vocab_size)
+        self.tokens_per_iter = args.global_batch_size * args.seq_length
+        self._reset()
+
+    def _reset(self):
+        self._start = time.perf_counter()
+        self._iters = 0
+        self._loss_sum = 0.0
+        self._skipped = 0
+        self._nan = 0
+
+    def print(self, line: str):
+        if self.rank == 0:
+            print(line, file=self.stream, flush=True)
+
+    def step(self, *, iteration: int, consumed_samples: int, lm_loss: float, lr: float,
+             grad_norm, loss_scale: float, skipped: bool, extra: str = ""):
+        self._iters += 1
+        self._skipped += int(skipped)
+        if math.isnan(lm_loss) or math.isinf(lm_loss):
+            self._nan += 1
+        else:
+            self._loss_sum += lm_loss
+        if iteration % self.args.log_interval:
+            return
+        elapsed = time.perf_counter() - self._start
+        per_iter = elapsed / self._iters
+        valid = self._iters - self._nan
+        loss = self._loss_sum / valid if valid else float("nan")
+        tflops = self.flops / per_iter / 1e12
+        parts = [
+            f"iteration {iteration:8d}/{self.args.train_iters:8d}",
+            f"consumed samples: {consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}" if self.device.type == "cuda"
+            else f"model TFLOP/s: {tflops:.4f}",
+            f"tokens/s: {self.tokens_per_iter / per_iter:.1f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {self.args.global_batch_size:5d}",
+            f"lm loss: {loss:.6E}",
+        ]
+        if self.args.fp16:
+            parts.append(f"loss scale: {loss_scale:.1f}")
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.3f}")
+        parts += [f"number of skipped iterations: {self._skipped:3d}",
+                  f"number of nan iterations: {self._nan:3d}",
+                  f"peak memory: {_gib(peak_memory_bytes(self.device))}"]
+        if extra:
+            parts.append(extra)
+        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        self.print(f" [{stamp}] " + " | ".join(parts) + " |")
+        self._reset()
+
+    def validation(self, iteration: int, lm_loss: float):
+        ppl = math.exp(min(20.0, lm_loss))
+        line = (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |")
+        bar = "-" * len(line)
+        self.print(f"{bar}\n{line}\n{bar}")
