@@ -11,6 +11,7 @@ import warnings
 # Megatron-Core warns at import that Transformer Engine / Apex are missing; the local
 # implementations it falls back to are what runs here.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.distributed import shutdown  # noqa: E402
