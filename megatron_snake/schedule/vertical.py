@@ -25,16 +25,10 @@ import torch
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
+from megatron_snake.schedule.order import snake_order
 from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-
-
-def snake_order(unit: int, num_microbatches: int) -> range:
-    """Micro-batch visiting order of ``unit`` (the same in both sweeps)."""
-    if unit % 2 == 0:
-        return range(num_microbatches)
-    return range(num_microbatches - 1, -1, -1)
 
 
 def _check_microbatches(microbatches) -> None:

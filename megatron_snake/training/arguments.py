@@ -12,6 +12,7 @@ import os
 import torch
 
 SNAKE_SCHEDULES = ("vertical",)
+SNAKE_TIERS = ("device", "host", "nvme")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snake-schedule", default="vertical",
                    help=f"micro-batch order; one of {', '.join(SNAKE_SCHEDULES)}")
     g.add_argument("--snake-offload-dir", default=None,
-                   help="directory for offloaded state (rank<N>/ below it); default: a "
-                        "temporary directory")
+                   help="existing directory for offloaded state (rank<N>/ is made below "
+                        "it); default: a new temporary directory")
+    g.add_argument("--snake-activation-tier", default="nvme", choices=SNAKE_TIERS,
+                   help="where unit checkpoints live between the forward and backward sweeps")
+    g.add_argument("--snake-host-memory-limit", default="2GiB",
+                   help="hard limit of the host buffer pool (e.g. 4GiB)")
     return p
 
 
@@ -160,6 +165,12 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.snake_schedule not in SNAKE_SCHEDULES:
         _fail(parser, "--snake-schedule", f"unknown value {args.snake_schedule!r}; "
               f"choose one of {', '.join(SNAKE_SCHEDULES)}")
+    from megatron_snake.training.offload import parse_size
+
+    try:
+        args.snake_host_memory_limit = parse_size(args.snake_host_memory_limit)
+    except argparse.ArgumentTypeError as exc:
+        _fail(parser, "--snake-host-memory-limit", str(exc))
     if args.snake_offload and args.pipeline_model_parallel_size > 1:
         _fail(parser, "--pipeline-model-parallel-size",
               "pipeline parallelism with --snake-offload is not supported yet; use 1")

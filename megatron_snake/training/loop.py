@@ -7,6 +7,8 @@ forward/backward of a step chosen by ``--snake-offload``.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
-from megatron_snake.training import checkpointing, distributed
+from megatron_snake.training import checkpointing, distributed, offload
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
 from megatron_snake.training.optimizer import build_optimizer
@@ -57,6 +59,20 @@ def evaluate(args, model, forward_backward, valid_ds, device) -> float:
             total += _lm_loss(forward_backward(model, mbs, forward_only=True), mbs)
     model.train()
     return total / max(args.eval_iters, 1)
+
+
+@dataclass
+class Run:
+    """Everything one training run steps, built once by ``pretrain``."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    log: TrainLog
+    forward_backward: Callable
+    tensor_store: object | None = None
 
 
 def pretrain(args: argparse.Namespace) -> list[float]:
@@ -106,36 +122,52 @@ def pretrain(args: argparse.Namespace) -> list[float]:
                                data_parallel_rank=parallel_state.get_data_parallel_rank(),
                                data_parallel_size=parallel_state.get_data_parallel_world_size(),
                                consumed_samples=consumed)
-    forward_backward = make_forward_backward(args)
 
+    with offload.open_store(args, device, rank) as tensor_store:
+        if tensor_store is not None:
+            log.print(f"> offloading unit checkpoints to {args.snake_activation_tier} under "
+                      f"{tensor_store.dir.path} "
+                      f"({offload.checkpoint_bytes_per_step(args) / 2**20:.1f} MiB per step, "
+                      f"I/O engine {tensor_store.engine.name})")
+        run = Run(args, device, model, optimizer, scheduler, log,
+                  make_forward_backward(args, tensor_store, device), tensor_store)
+        return train(run, train_iter, valid_ds, iteration, consumed)
+
+
+def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list[float]:
+    """Step from ``iteration`` to ``--train-iters`` (or ``--exit-interval``)."""
+    args, model, optimizer = run.args, run.model, run.optimizer
     model.train()
     history = []
     while iteration < args.train_iters:
-        mbs = _next_microbatches(train_iter, args.num_microbatches, device)
+        mbs = _next_microbatches(train_iter, args.num_microbatches, run.device)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(model, mbs)
+        losses = run.forward_backward(model, mbs)
         update_successful, grad_norm, _ = optimizer.step()
         if update_successful:
-            scheduler.step(increment=args.global_batch_size)
+            run.scheduler.step(increment=args.global_batch_size)
         iteration += 1
         consumed += args.global_batch_size
         lm_loss = _lm_loss(losses, mbs)
         history.append(lm_loss)
-        log.step(iteration=iteration, consumed_samples=consumed, lm_loss=lm_loss,
-                 lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
-                 loss_scale=optimizer.get_loss_scale().item(), skipped=not update_successful)
+        run.log.step(iteration=iteration, consumed_samples=consumed, lm_loss=lm_loss,
+                     lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
+                     loss_scale=optimizer.get_loss_scale().item(),
+                     skipped=not update_successful, extra=offload.traffic(run.tensor_store))
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            log.validation(iteration, evaluate(args, model, forward_backward, valid_ds, device))
+            run.log.validation(iteration, evaluate(args, model, run.forward_backward, valid_ds,
+                                                   run.device))
         exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
         periodic = bool(args.save_interval) and iteration % args.save_interval == 0
-        last = iteration == args.train_iters or exiting
-        if args.save and (periodic or last):
+        if args.save and (periodic or exiting or iteration == args.train_iters):
             checkpointing.save_checkpoint(args.save, iteration=iteration,
                                           consumed_samples=consumed, model=model,
-                                          optimizer=optimizer, scheduler=scheduler, args=args)
-            log.print(f"> saved checkpoint at iteration {iteration} to {args.save}")
+                                          optimizer=optimizer, scheduler=run.scheduler,
+                                          args=args)
+            run.log.print(f"> saved checkpoint at iteration {iteration} to {args.save}")
         if exiting:
-            log.print(f"> exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+            run.log.print(f"> exiting at iteration {iteration} "
+                          f"(--exit-interval {args.exit_interval})")
             break
     return history

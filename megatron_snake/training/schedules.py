@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.vertical import vertical_forward_backward
 
@@ -42,14 +43,22 @@ def megatron_forward_backward(model, microbatches, *, forward_only: bool = False
     return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
 
 
-def make_forward_backward(args) -> StepFn:
-    """The step function the flags ask for."""
+def make_forward_backward(args, tensor_store=None, device=None) -> StepFn:
+    """The step function the flags ask for. With a ``tensor_store``, unit checkpoints go to
+    ``--snake-activation-tier`` through it."""
     if not args.snake_offload:
         return megatron_forward_backward
 
     def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
-        return vertical_forward_backward(model, microbatches,
-                                         checkpoint_interval=args.snake_checkpoint_interval,
-                                         forward_only=forward_only)
+        store = None
+        if tensor_store is not None:
+            store = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
+                                         len(microbatches), device)
+        losses = vertical_forward_backward(model, microbatches,
+                                           checkpoint_interval=args.snake_checkpoint_interval,
+                                           forward_only=forward_only, store=store)
+        if store is not None:
+            store.finish_step()
+        return losses
 
     return snake_forward_backward
