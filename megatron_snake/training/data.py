@@ -1,0 +1,376 @@
+"""GPT datasets and micro-batch iteration on top of Megatron-Core's dataset code.
+
+* :func:`build_gpt_datasets` builds the (train, valid, test) datasets with Megatron-Core's
+  ``BlendedMegatronDatasetBuilder`` / ``GPTDatasetConfig`` / ``GPTDataset`` (or
+  ``MockGPTDataset``), from Megatron indexed datasets written by ``tools/preprocess_data.py``.
+* :func:`micro_batches` iterates a dataset in Megatron-LM's ``MegatronPretrainingSampler``
+  order and collates each micro-batch into the dict ``pretrain_gpt.get_batch`` produces.
+
+Works with or without ``torch.distributed``. When it is initialized, every rank must call
+:func:`build_gpt_datasets` (the builder runs barriers): global rank 0 builds and caches the
+index files first, the other ranks then load them, so ``data_cache_path`` must be visible to
+all ranks (a shared file system on multi-node jobs).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import warnings
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+GPT_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def _megatron_datasets():
+    """Import Megatron-Core's dataset modules lazily (importing megatron.core is slow and
+    warns about the missing Transformer Engine / Apex on CPU machines)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.datasets import blended_megatron_dataset_builder as bmdb
+        from megatron.core.datasets.blended_dataset import BlendedDataset
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    return bmdb, BlendedDataset, GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+
+# --------------------------------------------------------------------------------------------
+# --data-path parsing
+# --------------------------------------------------------------------------------------------
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Parse a Megatron-style ``--data-path`` list into (prefixes, weights or None).
+
+    ``["prefix"]``, ``["prefixA", "prefixB"]`` (weights from the dataset sizes) or
+    ``["0.3", "prefixA", "0.7", "prefixB"]``. A prefix may also be given with its ``.bin`` or
+    ``.idx`` suffix. Each prefix must have both ``.bin`` and ``.idx`` files. Prefixes are
+    returned as absolute paths (Megatron hashes them into the index-cache key).
+    """
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    items = [str(x) for x in data_path]
+    if not items:
+        raise ValueError(
+            "--data-path is empty (pass at least one dataset prefix, or use --mock-data)"
+        )
+    if len(items) % 2 == 0 and all(_is_number(items[i]) for i in range(0, len(items), 2)):
+        weights = [float(items[i]) for i in range(0, len(items), 2)]
+        prefixes = [items[i] for i in range(1, len(items), 2)]
+        bad = [w for w in weights if not w > 0]
+        if bad:
+            raise ValueError(f"--data-path weights must be positive, got {weights}")
+    elif any(_is_number(x) for x in items):
+        raise ValueError(
+            f"--data-path {' '.join(items)!r}: expected either prefixes only or "
+            "'weight prefix' pairs, e.g. --data-path 0.3 dataA_text_document 0.7 "
+            "dataB_text_document"
+        )
+    else:
+        weights = None
+        prefixes = items
+    resolved = []
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if prefix.endswith(suffix) and not os.path.exists(prefix + ".bin"):
+                prefix = prefix[: -len(suffix)]
+                break
+        for suffix in (".bin", ".idx"):
+            path = prefix + suffix
+            if not os.path.isfile(path):
+                hint = ""
+                if not prefix.endswith("_document"):
+                    hint = (
+                        " (tools/preprocess_data.py writes <output-prefix>_text_document.bin/.idx;"
+                        " pass <output-prefix>_text_document)"
+                    )
+                raise FileNotFoundError(f"--data-path {prefix}: missing file {path}{hint}")
+        resolved.append(os.path.abspath(prefix))
+    return resolved, weights
+
+
+def default_data_cache_path() -> str:
+    """Where dataset index caches go unless ``data_cache_path`` is given:
+    ``$MEGATRON_SNAKE_DATA_CACHE``, else ``$XDG_CACHE_HOME/megatron_snake/dataset_indices``
+    (``~/.cache/...``). Never the data directory, which may be read-only."""
+    env = os.environ.get("MEGATRON_SNAKE_DATA_CACHE")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "megatron_snake", "dataset_indices")
+
+
+def _data_fingerprint(prefixes: Sequence[str]) -> str:
+    """A short hash of the data files' paths, sizes and modification times: the cache
+    subdirectory, so that rewriting a dataset in place never reuses stale indices."""
+    h = hashlib.sha1()
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            st = os.stat(prefix + suffix)
+            h.update(f"{prefix}{suffix}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def _parse_split(split: str) -> List[float]:
+    """``--split`` "969,30,1" -> normalized [train, valid, test] weights (Megatron's rule)."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--split {split!r}: expected comma-separated numbers, e.g. 969,30,1"
+        ) from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(
+            f"--split {split!r}: expected 1 to 3 non-negative numbers with a positive sum"
+        )
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def _check_splits_nonempty(prefixes: Sequence[str], split: str, mmap_bin_files: bool) -> None:
+    """Megatron's GPTDataset loops forever when a split it must build has no tokens
+    (GPTDataset._get_num_epochs). Refuse such a configuration with a clear message."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    vector = _parse_split(split)
+    bounds, acc = [], 0.0
+    for w in vector:
+        bounds.append(None if w == 0 else (acc, acc + w))
+        acc += w
+    names = ("train", "valid", "test")
+    for prefix in prefixes:
+        try:
+            # Copy: the array views the .idx mmap, which the dataset's __del__ closes.
+            indexed = IndexedDataset(prefix, mmap=mmap_bin_files)
+            lengths = indexed.sequence_lengths.copy()
+            del indexed
+        except Exception as err:  # a corrupt or foreign .idx
+            raise ValueError(
+                f"--data-path {prefix}: cannot read the indexed dataset: {err}"
+            ) from err
+        n = len(lengths)
+        for name, bound in zip(names, bounds):
+            if bound is None:
+                continue
+            beg = int(round(bound[0] * float(n)))
+            end = int(round(bound[1] * float(n)))
+            if end <= beg or int(lengths[beg:end].sum()) == 0:
+                raise ValueError(
+                    f"--split {split} leaves the {name} split of --data-path {prefix} empty "
+                    f"({end - beg} of its {n} documents). Use more documents, or give that "
+                    "split weight 0 (e.g. --split 100,0,0)."
+                )
+
+
+def num_samples_for(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> Tuple[int, int, int]:
+    """Megatron-LM's train/valid/test sample counts for a run of ``train_iters`` steps:
+    (train_iters*gbs, (train_iters//eval_interval + 1)*eval_iters*gbs, eval_iters*gbs)."""
+    train = train_iters * global_batch_size
+    valid = (train_iters // max(eval_interval, 1) + 1) * eval_iters * global_batch_size
+    test = eval_iters * global_batch_size
+    return train, valid, test
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset building
+# --------------------------------------------------------------------------------------------
+
+
+def _builder_class():
+    bmdb, BlendedDataset, _, _, _ = _megatron_datasets()
+
+    class _Builder(bmdb.BlendedMegatronDatasetBuilder):
+        """Megatron-Core's builder, with one fix for runs without torch.distributed:
+        BlendedDataset calls torch.distributed.get_rank() on a cache miss when a cache path
+        is set, which raises if no process group exists. Without torch.distributed the blend
+        indices (cheap, built in C++) are therefore built in memory and not cached."""
+
+        @staticmethod
+        def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+            if cls is BlendedDataset and not torch.distributed.is_initialized():
+                *rest, config = args
+                if config.path_to_cache is not None:
+                    config = copy.copy(config)
+                    config.path_to_cache = None
+                args = (*rest, config)
+            return bmdb.BlendedMegatronDatasetBuilder.build_generic_dataset(
+                cls, is_built_on_rank, synchronize_ranks, *args
+            )
+
+    return _Builder
+
+
+def build_gpt_datasets(
+    *,
+    mock: bool,
+    data_path: Optional[Sequence[str]],
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer,
+    num_samples: Tuple[Optional[int], Optional[int], Optional[int]],
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    data_cache_path: Optional[str] = None,
+    mmap_bin_files: bool = True,
+):
+    """Build the (train, valid, test) GPT datasets; a split with weight 0 gives None.
+
+    Args:
+        mock: use Megatron's ``MockGPTDataset`` (synthetic documents; ``data_path`` and
+            ``split`` are ignored, Megatron forces split "1,1,1").
+        data_path: ``--data-path`` (see :func:`parse_data_path`).
+        split: ``--split``, e.g. "969,30,1".
+        tokenizer: a tokenizer from :mod:`megatron_snake.training.tokenizer` (anything with
+            ``vocab_size``, ``eod`` and ``unique_identifiers``).
+        num_samples: the number of samples each split must provide (None: one epoch). The
+            datasets repeat epochs to reach it; :func:`micro_batches` raises when a run reads
+            past the end, so pass enough: ``num_samples_for(train_iters, global_batch_size,
+            eval_interval, eval_iters)`` is Megatron-LM's rule (train = train_iters * gbs).
+        data_cache_path: ``--data-cache-path`` for the document/sample/shuffle index files
+            (default :func:`default_data_cache_path`). Must be shared by all ranks when
+            torch.distributed is initialized. Unused for mock data (built in memory).
+        mmap_bin_files: mmap the .bin files (``--no-mmap-bin-files`` sets False).
+
+    Each sample is a dict with ``tokens``/``labels`` [s] int64 (labels[t] == tokens[t+1] of
+    the underlying token stream), ``loss_mask`` [s] float32, ``position_ids`` [s] int64 and,
+    if ``create_attention_mask``, ``attention_mask`` [1, s, s] bool (True = masked).
+    """
+    _, _, GPTDataset, GPTDatasetConfig, MockGPTDataset = _megatron_datasets()
+    if seq_length <= 0:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+    num_samples = list(num_samples)
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must have 3 entries (train, valid, test), got {num_samples}")
+    for tok_attr in ("vocab_size", "eod", "unique_identifiers"):
+        if not hasattr(tokenizer, tok_attr):
+            raise TypeError(f"tokenizer {tokenizer!r} lacks {tok_attr!r}")
+
+    if mock:
+        blend = None
+        path_to_cache = None
+        cls = MockGPTDataset
+    else:
+        if not data_path:
+            raise ValueError("--data-path is required unless --mock-data is set")
+        prefixes, weights = parse_data_path(data_path)
+        _check_splits_nonempty(prefixes, split, mmap_bin_files)
+        blend = (prefixes, weights)
+        path_to_cache = os.path.join(
+            data_cache_path or default_data_cache_path(), _data_fingerprint(prefixes)
+        )
+        cls = GPTDataset
+        if weights is not None and any(n is None for n in num_samples):
+            raise ValueError(
+                "--data-path with weights needs a sample count for every split "
+                f"(num_samples={tuple(num_samples)})"
+            )
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=None if mock else split,
+        path_to_cache=path_to_cache,
+        mmap_bin_files=mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    with warnings.catch_warnings():
+        # Megatron warns when tokenizer.pad is missing / collides; our tokenizers have no pad.
+        warnings.filterwarnings("ignore", message="The pad token id in the tokenizer collides")
+        datasets = _builder_class()(cls, num_samples, lambda: True, config).build()
+    return tuple(datasets)
+
+
+# --------------------------------------------------------------------------------------------
+# Micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """Stack per-sample dicts into Megatron's GPT batch: tokens/labels/position_ids [b, s]
+    int64, loss_mask [b, s] float32, attention_mask [b, 1, s, s] bool or None."""
+    batch: Dict[str, Optional[torch.Tensor]] = {}
+    for key in GPT_BATCH_KEYS:
+        if key not in samples[0] or samples[0][key] is None:
+            batch[key] = None
+            continue
+        batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples])
+    for key in ("tokens", "labels", "position_ids"):
+        batch[key] = batch[key].long()
+    batch["loss_mask"] = batch["loss_mask"].float()
+    if batch["attention_mask"] is not None:
+        batch["attention_mask"] = batch["attention_mask"].bool()
+    return batch
+
+
+def micro_batches(
+    dataset,
+    *,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_samples: int,
+) -> Iterator[Dict[str, Optional[torch.Tensor]]]:
+    """Infinite, deterministic iterator of this rank's micro-batches.
+
+    Same order as Megatron-LM's ``MegatronPretrainingSampler``: the i-th global window is
+    the samples ``[c + i*w, c + (i+1)*w)`` with ``c = consumed_samples`` and
+    ``w = micro_batch_size * data_parallel_size``; rank r takes its ``r``-th slice of
+    ``micro_batch_size`` samples. Resuming with ``consumed_samples`` = (micro-batches taken)
+    * w continues exactly where a run stopped.
+
+    Raises RuntimeError (on the ``next()`` that needs it) when a window reaches past
+    ``len(dataset)``: build the dataset with ``num_samples`` >= train_iters *
+    global_batch_size (see :func:`num_samples_for`).
+    """
+    if dataset is None:
+        raise ValueError(
+            "dataset is None (its --split weight is 0, or it was not built on this rank)"
+        )
+    if micro_batch_size <= 0:
+        raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+    if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(
+            f"data_parallel_rank {data_parallel_rank} must be in [0, {data_parallel_size})"
+        )
+    if consumed_samples < 0:
+        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+    return _micro_batch_generator(
+        dataset, micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples
+    )
+
+
+def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed):
+    total = len(dataset)
+    window = mbs * dp_size
+    while True:
+        if consumed + window > total:
+            raise RuntimeError(
+                f"data exhausted: the dataset has {total} samples, but the micro-batch window "
+                f"at consumed_samples={consumed} needs samples up to {consumed + window} "
+                f"(micro_batch_size {mbs} x data_parallel_size {dp_size}). Build the datasets "
+                "with num_samples >= train_iters * global_batch_size (num_samples_for())."
+            )
+        start = consumed + dp_rank * mbs
+        yield collate([dataset[i] for i in range(start, start + mbs)])
+        consumed += window
