@@ -121,7 +121,8 @@ def test_real_text_dataset_end_to_end(megatron_world, tmp_path):
     data = str(prefix) + "_text_document"
     assert os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx")
     flags = [*SMALL, *NO_DROPOUT, "--train-iters", "8", "--data-path", data, "--split",
-             "90,10,0", "--eval-interval", "4", "--eval-iters", "1", "--lr", "1e-2"]
+             "90,10,0", "--eval-interval", "4", "--eval-iters", "1", "--lr", "1e-2",
+             "--data-cache-path", str(tmp_path / "cache")]
     snake = pretrain(parse_args([*flags, "--snake-offload"]))
     megatron = pretrain(parse_args(flags))
     assert snake[-1] < snake[0]

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="indexed dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...")
     g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset index caches go (shared by all ranks); default "
+                        "$MEGATRON_SNAKE_DATA_CACHE or ~/.cache/megatron_snake")
     g.add_argument("--tokenizer-type", default="ByteTokenizer",
                    choices=["ByteTokenizer", "NullTokenizer"])
     g.add_argument("--vocab-size", type=int, default=None,

@@ -116,6 +116,7 @@ def pretrain(args: argparse.Namespace) -> list[float]:
     train_ds, valid_ds, _ = build_gpt_datasets(
         mock=args.mock_data, data_path=args.data_path, split=args.split,
         seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+        data_cache_path=args.data_cache_path,
         num_samples=num_samples_for(args.train_iters, args.global_batch_size,
                                     args.eval_interval, args.eval_iters))
     train_iter = micro_batches(train_ds, micro_batch_size=args.micro_batch_size,
