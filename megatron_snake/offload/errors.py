@@ -1,0 +1,43 @@
+"""Exceptions of the storage layer. Every message names the path and what to do."""
+
+
+class OffloadError(RuntimeError):
+    """Base class of every storage-layer error."""
+
+
+class OffloadDirError(OffloadError):
+    """The offload directory is missing, not a directory, read-only, or locked by another job."""
+
+
+class CapacityError(OffloadError):
+    """The file system under --snake-offload-dir cannot hold what the run plans to put there."""
+
+
+class HostMemoryError(OffloadError):
+    """A request can never fit under --snake-host-memory-limit (waiting would not help)."""
+
+
+class IntegrityError(OffloadError):
+    """A record read back from a swap file is not the one that was written (checksum,
+    header or length mismatch, truncated file). Names the key and the file."""
+
+
+class OffloadIOError(OffloadError, OSError):
+    """A read or write failed in the kernel: carries path, offset, length and errno."""
+
+    def __init__(self, op, path, offset, length, errno_, detail=""):
+        import os
+
+        self.op, self.path, self.offset, self.length = op, path, offset, length
+        reason = os.strerror(errno_) if errno_ and errno_ > 0 else (detail or "short transfer")
+        msg = f"{op} of {length} bytes at offset {offset} of {path} failed: {reason}"
+        if errno_ and errno_ > 0:
+            msg += f" (errno {errno_})"
+        if detail and errno_ and errno_ > 0:
+            msg += f"; {detail}"
+        OSError.__init__(self, errno_ if errno_ and errno_ > 0 else None, msg)
+        self.errno = errno_ if errno_ and errno_ > 0 else None
+        self.short = not (errno_ and errno_ > 0)
+
+    def __str__(self):
+        return self.args[1] if len(self.args) > 1 else self.args[0]

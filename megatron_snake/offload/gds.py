@@ -1,0 +1,92 @@
+"""GPUDirect Storage backend (optional): GPU memory <-> swap file through kvikio, behind the
+same TensorStore API (`TensorStore(..., engine="gds")`). Used for nvme records of CUDA
+tensors; everything else keeps the native engine. When kvikio is missing, no GPU is present
+or kvikio runs in compatibility mode (no real GDS), the store logs why and uses the native
+engine through the pinned host pool.
+
+A GDS record is one extent: [record header block, 4096 bytes, written through the host
+engine][payload, written by kvikio from GPU memory]. The payload checksum is computed on the
+GPU (`gpu_checksum`: a position-weighted 64-bit sum of the 32-bit words, in chunks) so the
+bytes never touch host memory; it is verified on every read like the crc32c of host records.
+
+Not exercised in CI (no GPU there); see docs/benchmarks_io.md for the state of testing.
+"""
+
+import logging
+
+import torch
+
+log = logging.getLogger("megatron_snake.offload")
+
+HEADER_BLOCK = 4096
+_MOD = (1 << 61) - 1
+
+
+def gpu_checksum(byte_view, chunk_words=1 << 24):
+    """A 64-bit checksum of a CUDA uint8 tensor, computed on the GPU."""
+    n = byte_view.numel()
+    pad = (-n) % 4
+    if pad:
+        byte_view = torch.cat([byte_view, byte_view.new_zeros(pad)])
+    words = byte_view.view(torch.int32)
+    s1 = torch.zeros((), dtype=torch.int64, device=byte_view.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=byte_view.device)
+    for start in range(0, words.numel(), chunk_words):
+        w = words[start:start + chunk_words].to(torch.int64) & 0xFFFFFFFF
+        idx = torch.arange(start + 1, start + 1 + w.numel(), device=w.device, dtype=torch.int64) % 65521
+        s1 = (s1 + w.sum()) % _MOD
+        s2 = (s2 + ((w % 65521) * idx).sum()) % _MOD
+    return int(((s1 << 2) ^ s2 ^ n) & 0xFFFFFFFFFFFFFFFF)
+
+
+class GdsBackend:
+    @classmethod
+    def create(cls):
+        """A backend, or None (with a log line saying why) when GDS cannot be used."""
+        if not torch.cuda.is_available():
+            log.warning("--snake-offload-engine gds: no GPU; using the native engine")
+            return None
+        try:
+            import kvikio
+            import kvikio.defaults
+        except ImportError as exc:
+            log.warning("--snake-offload-engine gds: kvikio is not installed (%s); using the native "
+                        "engine through the pinned host pool", exc)
+            return None
+        compat = None
+        try:
+            compat = kvikio.defaults.compat_mode()
+        except AttributeError:
+            try:
+                compat = kvikio.defaults.get("compat_mode")
+            except Exception:  # noqa: BLE001
+                compat = None
+        if compat is not None and str(compat) not in ("False", "CompatMode.OFF", "0"):
+            log.warning("--snake-offload-engine gds: kvikio runs in compatibility mode (%s: cuFile/"
+                        "GDS driver not available); using the native engine", compat)
+            return None
+        log.info("offload: GPUDirect Storage through kvikio %s", getattr(kvikio, "__version__", "?"))
+        return cls(kvikio)
+
+    def __init__(self, kvikio):
+        self._kvikio = kvikio
+        self._files = {}
+
+    def _file(self, path):
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = self._kvikio.CuFile(path, "r+")
+        return f
+
+    def write(self, path, gpu_bytes, offset):
+        n = self._file(path).pwrite(gpu_bytes, gpu_bytes.numel(), offset).get()
+        if n != gpu_bytes.numel():
+            raise OSError(f"GDS write of {gpu_bytes.numel()} bytes at {offset} of {path} wrote {n}")
+
+    def read(self, path, gpu_bytes, offset):
+        return self._file(path).pread(gpu_bytes, gpu_bytes.numel(), offset).get()
+
+    def close(self):
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

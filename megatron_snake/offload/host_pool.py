@@ -1,0 +1,125 @@
+"""Host buffer pool: a fixed number of page-aligned (pinned when CUDA is present) buffers
+under a hard byte limit (--snake-host-memory-limit). Callers wait for a free buffer; memory
+never grows past the limit. Buffers are created on first use and then reused forever.
+
+Two uses share the pool:
+  staging   a buffer held while one record moves between a tensor and a swap file;
+            always given back when that I/O completes, so waiting for one always ends;
+  resident  buffers that hold a key on the `host` tier until it is evicted or deleted.
+A resident request that could never be met (the limit minus what is already resident,
+keeping one buffer for staging) raises HostMemoryError at once instead of waiting forever.
+"""
+
+import threading
+import time
+
+import torch
+
+from megatron_snake.offload.errors import HostMemoryError
+
+PAGE = 4096
+
+
+class HostBuffer:
+    """One page-aligned buffer: .tensor (uint8, nbytes long), .addr (its address)."""
+
+    __slots__ = ("index", "tensor", "addr", "nbytes", "_base")
+
+    def __init__(self, index, nbytes, pin):
+        self.index, self.nbytes = index, nbytes
+        # pinned: cudaHostAlloc memory is page aligned and torch's host allocator rounds
+        # sizes up to a power of two, so ask for exactly nbytes (a power of two by default)
+        self._base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
+        if self._base is None or self._base.data_ptr() % PAGE:
+            self._base = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+        skip = (-self._base.data_ptr()) % PAGE
+        self.tensor = self._base[skip:skip + nbytes]
+        self.addr = self.tensor.data_ptr()
+        assert self.addr % PAGE == 0
+
+
+class HostBufferPool:
+    def __init__(self, limit_bytes, buffer_bytes=8 << 20, pin=None):
+        if buffer_bytes % PAGE:
+            raise ValueError(f"host buffer size {buffer_bytes} is not a multiple of {PAGE}")
+        count = int(limit_bytes) // buffer_bytes
+        if count < 2:
+            raise HostMemoryError(
+                f"--snake-host-memory-limit {limit_bytes} bytes holds fewer than 2 host buffers "
+                f"of {buffer_bytes >> 20} MiB; raise the limit (or lower the buffer size)")
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.limit_bytes, self.buffer_bytes, self.count = int(limit_bytes), buffer_bytes, count
+        self._free = []          # created, not in use
+        self._created = 0
+        self._resident = 0
+        self._cv = threading.Condition()
+        # counters
+        self.peak_in_use = 0
+        self.waits = 0
+        self.wait_seconds = 0.0
+
+    @property
+    def in_use(self):
+        return self._created - len(self._free)
+
+    @property
+    def allocated_bytes(self):
+        """Host memory the pool holds now (never above limit_bytes, plus one page per buffer)."""
+        return self._created * self.buffer_bytes
+
+    @property
+    def resident(self):
+        return self._resident
+
+    def _take(self, n):
+        out = []
+        for _ in range(n):
+            if self._free:
+                out.append(self._free.pop())
+            else:
+                out.append(HostBuffer(self._created, self.buffer_bytes, self.pin))
+                self._created += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return out
+
+    def _available(self):
+        return len(self._free) + (self.count - self._created)
+
+    def try_acquire(self):
+        """One staging buffer, or None at once when none is free."""
+        with self._cv:
+            return self._take(1)[0] if self._available() >= 1 else None
+
+    def acquire(self, n=1, resident=False, what=""):
+        """n buffers, waiting (never failing) while other I/O holds them."""
+        with self._cv:
+            if resident and n > self.count - self._resident - 1:
+                raise HostMemoryError(
+                    f"{what or 'a host-tier tensor'} needs {n} host buffers of "
+                    f"{self.buffer_bytes >> 20} MiB but only {self.count - self._resident - 1} "
+                    f"of {self.count} can ever be free (--snake-host-memory-limit "
+                    f"{self.limit_bytes} bytes, {self._resident} resident); evict to nvme or "
+                    "raise --snake-host-memory-limit")
+            if n > self.count:
+                raise HostMemoryError(f"{n} buffers asked, the pool has {self.count}")
+            if self._available() < n:
+                self.waits += 1
+                t0 = time.perf_counter()
+                while self._available() < n:
+                    self._cv.wait()
+                self.wait_seconds += time.perf_counter() - t0
+            if resident:
+                self._resident += n
+            return self._take(n)
+
+    def release(self, buffers, resident=False):
+        with self._cv:
+            self._free.extend(buffers)
+            if resident:
+                self._resident -= len(buffers)
+            self._cv.notify_all()
+
+    def close(self):
+        with self._cv:
+            self._free.clear()
+            self._created = 0

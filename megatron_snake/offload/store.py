@@ -1,0 +1,835 @@
+"""TensorStore: the per-rank tensor store with three tiers, gpu (the compute device),
+host (buffers of the pinned host pool) and nvme (swap files in `<offload-dir>/rank<N>/`).
+
+    with TensorStore(offload_dir, rank=0, host_memory_limit=4 << 30) as store:
+        store.put(("w", 3), tensor, tier="nvme").wait()     # async: returns a Handle
+        t = store.get(("w", 3), device="cuda").wait()       # back as a new tensor
+        store.prefetch(("w", 3), tier="host")                # copy up, keep the nvme copy
+        store.evict(("w", 3), tier="nvme")                   # move down to nvme
+        store.delete(("w", 3))
+        print(store.summary())
+
+Semantics.
+- put copies: once its handle is done the caller may reuse the tensor (do not modify it
+  before: same contract as a non_blocking copy). Any dtype/shape/stride, 0-d, empty.
+- A key may have copies on several tiers at once (they are identical); get reads the
+  fastest. Operations on one key run in the order they were called; different keys run
+  concurrently on `workers` threads.
+- get of a key whose put is still writing is served from the put's source tensor
+  (forwarding: no wait for the drive).
+- get returns a contiguous tensor of the stored shape (on `device`, default the device the
+  tensor was put from; `dtype` converts), or fills `out` (any stride) and returns it.
+- Every nvme record is checksummed; a mismatch raises IntegrityError naming key and file.
+- GPU<->host copies run on their own CUDA streams; the caller's stream is respected with
+  events (put waits for the work queued before it; get's result is complete when wait()
+  returns).
+"""
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_snake.offload.directory import RankDir
+from megatron_snake.offload.engine import make_engine
+from megatron_snake.offload.errors import IntegrityError, OffloadIOError
+from megatron_snake.offload.host_pool import HostBufferPool
+from megatron_snake.offload.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
+                                              check_record_header, key_hash, verify_record,
+                                              write_record_header)
+
+log = logging.getLogger("megatron_snake.offload")
+
+TIERS = ("gpu", "host", "nvme")
+
+
+class Handle:
+    """The result of an asynchronous store operation. wait() -> tensor (get) or None."""
+
+    def __init__(self, future, store):
+        self._future, self._store = future, store
+
+    def done(self):
+        return self._future.done()
+
+    def wait(self):
+        t0 = time.perf_counter()
+        result = self._future.result()
+        self._store.counters.add_blocked(time.perf_counter() - t0)
+        return result
+
+
+class _Done:
+    """An already finished future."""
+
+    def __init__(self, value=None):
+        self._value = value
+
+    def done(self):
+        return True
+
+    def result(self):
+        return self._value
+
+
+@dataclass
+class Counters:
+    """Bytes read/written per tier, engine requests, time callers were blocked, queue depth."""
+
+    read: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    written: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    requests: int = 0
+    blocked_s: float = 0.0
+    queue_depth: int = 0
+    max_queue_depth: int = 0
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def add(self, tier, nread=0, nwritten=0, requests=0):
+        with self._lock:
+            self.read[tier] += nread
+            self.written[tier] += nwritten
+            self.requests += requests
+
+    def add_blocked(self, seconds):
+        with self._lock:
+            self.blocked_s += seconds
+
+    def inflight(self, delta):
+        with self._lock:
+            self.queue_depth += delta
+            self.max_queue_depth = max(self.max_queue_depth, self.queue_depth)
+
+
+def _gb(n):
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass
+class _Entry:
+    key: object
+    kind: str
+    dtype: torch.dtype
+    shape: tuple
+    nbytes: int
+    device: torch.device
+    khash: int
+    seq: int
+    gpu: object = None           # tensor on the compute device
+    host: list = None            # [HostBuffer] (record format: header + payload)
+    host_sealed: bool = False    # host buffers carry headers with checksums
+    nvme: list = None            # [(offset, length)] in the kind's swap file
+    source: object = None        # the put's source while the put is running (forwarding)
+    ready: object = None         # CUDA event: the source's producer finished (put)
+    gds: bool = False            # the nvme copy is one GPUDirect record (gds.py)
+    last: object = None          # future of the last operation on this key
+
+
+def _as_bytes(t):
+    """A contiguous uint8 view of t's elements (t must be contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    """t viewed as an integer dtype of the same item size, when there is one: copies of it
+    are plain bit copies and work for dtypes torch has no copy kernel for (float4, bits*)."""
+    it = _SAME_SIZE_INT.get(t.element_size())
+    return t if it is None or t.dtype == it else t.view(it)
+
+
+def _bitcopy(dst, src, non_blocking=False):
+    """dst.copy_(src), bit-exact, for any dtype; converts only when the dtypes differ."""
+    if dst.dtype == src.dtype:
+        _bits(dst).copy_(_bits(src), non_blocking=non_blocking)
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _on(stream):
+    """torch.cuda.stream(stream), or nothing when there is no copy stream (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _contiguous(t):
+    return t if t.is_contiguous() else _bits(t).contiguous().view(t.dtype)
+
+
+class TensorStore:
+    def __init__(self, offload_dir, rank=0, host_memory_limit=2 << 30, engine="auto",
+                 device=None, buffer_bytes=8 << 20, queue_depth=32, io_threads=4, workers=4,
+                 chunk_bytes=1 << 20, free_space_probe=None, write_probe=None, pin_memory=None):
+        self.run_id = uuid.uuid4().bytes
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        dir_kwargs = {}
+        if free_space_probe is not None:
+            dir_kwargs["free_space_probe"] = free_space_probe
+        if write_probe is not None:
+            dir_kwargs["write_probe"] = write_probe
+        self.dir = RankDir(offload_dir, rank, self.run_id, **dir_kwargs)
+        self._closed = False
+        try:
+            self.gds = None
+            if engine == "gds":
+                from megatron_snake.offload.gds import GdsBackend
+                self.gds = GdsBackend.create()   # None (and a log line) when GDS is unavailable
+                engine = "auto"
+            self.engine = make_engine(engine, queue_depth, io_threads, chunk_bytes)
+            self.pool = HostBufferPool(host_memory_limit, buffer_bytes, pin_memory)
+        except Exception:
+            self.dir.close()
+            raise
+        self.checksum = Checksum()
+        self.seg_payload = buffer_bytes - REC_HEADER_BYTES
+        self.counters = Counters()
+        self._entries = {}
+        self._files = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snake-store")
+        self._cuda = torch.cuda.is_available() and self.device.type == "cuda"
+        self._d2h = self._h2d = None      # copy streams (CUDA only); None = current stream
+        if self._cuda:
+            self._d2h = torch.cuda.Stream(self.device)
+            self._h2d = torch.cuda.Stream(self.device)
+        self._direct_logged = False
+
+    # ================================================================ public API
+
+    def put(self, key, tensor, tier="nvme", kind="misc"):
+        """Store a copy of `tensor` under `key` on `tier`; replaces any previous value."""
+        self._check_tier(tier)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({key!r}): expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
+            raise TypeError(f"put({key!r}): only dense strided tensors can be stored")
+        tensor = tensor.detach()           # the store keeps bytes, never autograd history
+        ready = self._record_ready(tensor)
+        with self._lock:
+            self._seq += 1
+            old = self._entries.get(key)
+            e = _Entry(key, kind, tensor.dtype, tuple(tensor.shape),
+                       tensor.numel() * tensor.element_size(), tensor.device, key_hash(key), self._seq)
+            e.source, e.ready = tensor, ready
+            prev = old.last if old is not None else None
+            self._entries[key] = e
+            fut = self._exec.submit(self._run_put, e, old, prev, tensor, tier, ready)
+            e.last = fut
+        return Handle(fut, self)
+
+    def get(self, key, device=None, dtype=None, out=None):
+        """Read `key` back; wait() returns a new tensor, or `out` filled."""
+        with self._lock:
+            e = self._entry(key)
+            device = torch.device(device) if device is not None else (
+                out.device if out is not None else e.device)
+            dst = self._new_dest(e, device, dtype, out)
+            # dst (or out) belongs to the caller's stream: our copy stream waits for it
+            free = self._record_ready(dst)
+            if e.source is not None and not (e.source.is_cuda or dst.is_cuda):
+                # forwarding: the put is still writing; serve it from memory right now
+                return Handle(_Done(self._run_forward(e.source, None, None, dst, out, dtype)), self)
+            if e.source is not None:         # forwarding, CUDA: on the copy stream
+                fut = self._exec.submit(self._run_forward, e.source, e.ready, free, dst, out, dtype)
+            else:
+                fut = self._exec.submit(self._run_get, e, e.last, free, dst, out, dtype)
+                e.last = fut
+        return Handle(fut, self)
+
+    def prefetch(self, key, tier="host"):
+        """Ensure a copy of `key` on `tier` (host or gpu), keeping the slower copy."""
+        self._check_tier(tier)
+        return self._chain(key, self._run_prefetch, tier)
+
+    def evict(self, key, tier="nvme"):
+        """Move `key` down to `tier`: write it there if it is not there yet, then drop the
+        copies on faster tiers."""
+        self._check_tier(tier)
+        return self._chain(key, self._run_evict, tier)
+
+    def delete(self, key):
+        """Forget `key` and free its space on every tier (after its pending operations)."""
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return Handle(_Done(), self)
+            fut = self._exec.submit(self._run_delete, e, e.last)
+            e.last = fut
+        return Handle(fut, self)
+
+    def __contains__(self, key):
+        return key in self._entries
+
+    def keys(self):
+        return list(self._entries)
+
+    def tiers(self, key):
+        """The tiers that hold a copy of key now (after its pending operations)."""
+        e = self._entry(key)
+        if e.last is not None:
+            e.last.result()
+        return [t for t, v in (("gpu", e.gpu), ("host", e.host), ("nvme", e.nvme)) if v is not None]
+
+    def location(self, key):
+        """[(path, offset, length)] of key's nvme records (for tools and tests)."""
+        e = self._entry(key)
+        if e.last is not None:
+            e.last.result()
+        f = self._files.get(e.kind)
+        return [(f.path, off, ln) for off, ln in (e.nvme or [])]
+
+    def preallocate(self, kind, nbytes):
+        """Check free space and grow `kind`'s swap file to hold nbytes now."""
+        self.check_capacity(nbytes)
+        self._file(kind).preallocate(nbytes)
+
+    def check_capacity(self, nbytes_planned):
+        """Raise CapacityError unless nbytes_planned fit on the offload drive (with margin)."""
+        held = sum(f.size for f in self._files.values())
+        return self.dir.check_capacity(nbytes_planned, held)
+
+    def synchronize(self):
+        """Wait for every pending operation (errors are raised by their own handles)."""
+        with self._lock:
+            pending = [e.last for e in self._entries.values() if e.last is not None]
+        for f in pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - reported by the operation's handle
+                pass
+
+    def summary(self):
+        c = self.counters
+        return (f"io: nvme r {_gb(c.read['nvme'])} w {_gb(c.written['nvme'])} | "
+                f"host r {_gb(c.read['host'])} w {_gb(c.written['host'])} | "
+                f"gpu r {_gb(c.read['gpu'])} w {_gb(c.written['gpu'])} | req {c.requests} | "
+                f"blocked {c.blocked_s:.2f} s (pool waits {self.pool.wait_seconds:.2f} s) | "
+                f"qd {c.queue_depth} max {c.max_queue_depth} | host pool "
+                f"{self.pool.in_use}/{self.pool.count} x {self.pool.buffer_bytes >> 20} MiB | "
+                f"{self.engine.name}{'' if self._all_direct() else ' buffered'}")
+
+    def close(self, remove_files=True):
+        """Wait for pending work, remove the swap files and the lock (clean exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.synchronize()
+        self._exec.shutdown(wait=True)
+        self.engine.close()
+        if self.gds is not None:
+            self.gds.close()
+        for f in self._files.values():
+            f.close(remove=remove_files)
+        self.pool.close()
+        self.dir.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+
+    # ================================================================ helpers
+
+    def _check_tier(self, tier):
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; one of {TIERS}")
+
+    def _entry(self, key):
+        e = self._entries.get(key)
+        if e is None:
+            raise KeyError(f"tensor store (rank dir {self.dir.path}) has no key {key!r}")
+        return e
+
+    def _chain(self, key, fn, *args):
+        with self._lock:
+            e = self._entry(key)
+            fut = self._exec.submit(fn, e, e.last, *args)
+            e.last = fut
+        return Handle(fut, self)
+
+    def _all_direct(self):
+        return all(f.direct for f in self._files.values())
+
+    def _file(self, kind):
+        f = self._files.get(kind)
+        if f is None:
+            with self._lock:
+                f = self._files.get(kind)
+                if f is None:
+                    path = os.path.join(self.dir.path, f"{kind}.swap")
+                    f = SwapFile(path, kind, self.run_id, self.engine, self.checksum,
+                                 block_size=max(4096, os.statvfs(self.dir.path).f_bsize))
+                    if not f.direct and not self._direct_logged:
+                        self._direct_logged = True
+                        log.warning("offload dir %s: the file system does not support O_DIRECT "
+                                    "(tmpfs?); using buffered I/O (page cache)", self.dir.path)
+                    self._files[kind] = f
+        return f
+
+    def _record_ready(self, tensor):
+        if tensor.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(tensor.device))
+            return ev
+        return None
+
+    def _new_dest(self, e, device, dtype, out):
+        """The tensor the bytes land in: out itself when it is contiguous with the stored
+        dtype, else a new contiguous tensor (out is then filled with copy_)."""
+        if out is not None:
+            if tuple(out.shape) != e.shape:
+                raise ValueError(f"get({e.key!r}): out has shape {tuple(out.shape)}, stored {e.shape}")
+            if out.dtype == e.dtype and out.is_contiguous() and out.device == device:
+                return out
+        return torch.empty(e.shape, dtype=e.dtype, device=device)
+
+    def _finish(self, dst, out, dtype):
+        if out is not None:
+            if out is not dst:
+                _bitcopy(out, dst)
+            return out
+        if dtype is not None and dtype != dst.dtype:
+            return dst.to(dtype)
+        return dst
+
+    def _wait_prev(self, prev):
+        if prev is not None:
+            prev.result()
+
+    def _segments(self, nbytes):
+        n = self.seg_payload
+        return [(i, a, min(a + n, nbytes)) for i, a in enumerate(range(0, nbytes, n))]
+
+    # ---------------------------------------------------------------- copies
+
+    def _to_buffer(self, buf, src_bytes, a, b):
+        """src_bytes[a:b] -> buf payload. src_bytes is a uint8 view on any device."""
+        dst = buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + (b - a)]
+        if src_bytes.is_cuda:
+            with _on(self._d2h):
+                dst.copy_(src_bytes[a:b], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+            ev.synchronize()
+        else:
+            dst.copy_(src_bytes[a:b])
+
+    def _from_buffer(self, buf, dst_bytes, a, b):
+        src = buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + (b - a)]
+        if dst_bytes.is_cuda:
+            with _on(self._h2d):
+                dst_bytes[a:b].copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+            ev.synchronize()
+        else:
+            dst_bytes[a:b].copy_(src)
+
+    def _contiguous_source(self, tensor, ready):
+        if ready is not None:
+            if self._d2h is not None:
+                self._d2h.wait_event(ready)
+            else:
+                ready.synchronize()
+            with _on(self._d2h):
+                src = _contiguous(tensor)
+                ev = torch.cuda.Event()
+                ev.record()
+            ev.synchronize()
+            return src
+        return _contiguous(tensor)
+
+    # ---------------------------------------------------------------- tier writers
+
+    def _write_gpu(self, e, src):
+        if src.is_cuda or self.device.type == "cuda":
+            with _on(self._h2d):
+                copy = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                _bitcopy(copy, src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+            ev.synchronize()
+        else:
+            copy = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+            _bitcopy(copy, src)
+        e.gpu = copy
+        self.counters.add("gpu", nwritten=e.nbytes)
+
+    def _write_host(self, e, src_bytes):
+        segs = self._segments(e.nbytes)
+        bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
+        try:
+            for buf, (_, a, b) in zip(bufs, segs):
+                self._to_buffer(buf, src_bytes, a, b)
+        except BaseException:
+            self.pool.release(bufs, resident=True)
+            raise
+        e.host, e.host_sealed = bufs, False
+        self.counters.add("host", nwritten=e.nbytes)
+
+    def _seal(self, e, buf, seg, n):
+        crc = self.checksum(buf.addr + REC_HEADER_BYTES, n)
+        write_record_header(buf.addr, self.run_id, e.khash, e.seq, seg, n, crc)
+
+    def _write_nvme(self, e, src_bytes=None):
+        """Write e to its swap file, from src_bytes (staging buffers) or from e.host."""
+        f = self._file(e.kind)
+        segs = self._segments(e.nbytes)
+        extents, pending = [], []      # pending: (request, buffer or None)
+        loose = None                   # a staging buffer not yet in pending
+        try:
+            for seg, a, b in segs:
+                n = b - a
+                if src_bytes is None:
+                    buf = e.host[seg]
+                    if not e.host_sealed:
+                        self._seal(e, buf, seg, n)
+                else:
+                    buf = loose = self._staging(pending)
+                    self._to_buffer(buf, src_bytes, a, b)
+                    self._seal(e, buf, seg, n)
+                off, length = f.allocate(REC_HEADER_BYTES + n)
+                extents.append((off, length))
+                req = self.engine.write(f.fd, f.path, buf.addr, length, off)
+                self.counters.inflight(+1)
+                pending.append((req, loose))
+                loose = None
+            if src_bytes is None:
+                e.host_sealed = True
+            while pending:
+                self._reap(pending)
+        except BaseException:
+            if loose is not None:
+                self.pool.release([loose])
+            self._drain(pending)
+            for off, length in extents:
+                f.free(off, length)
+            raise
+        e.nvme = extents
+        self.counters.add("nvme", nwritten=e.nbytes, requests=len(segs))
+
+    def _staging(self, pending):
+        """A staging buffer; while none is free, finish this operation's oldest request
+        first (so two operations can never hold each other's buffers)."""
+        while True:
+            buf = self.pool.try_acquire()
+            if buf is not None:
+                return buf
+            if pending:
+                self._reap(pending)
+            else:
+                return self.pool.acquire(1)[0]
+
+    def _reap(self, pending, on_done=None):
+        req, buf = pending.pop(0)
+        try:
+            req.wait()
+            if on_done is not None:
+                on_done(buf)
+        finally:
+            self.counters.inflight(-1)
+            if buf is not None:
+                self.pool.release([buf])
+
+    def _drain(self, pending):
+        for req, buf in pending:
+            try:
+                req.wait()
+            except OffloadIOError:
+                pass
+            finally:
+                self.counters.inflight(-1)
+                if buf is not None:
+                    self.pool.release([buf])
+        pending.clear()
+
+    def _write_nvme_gds(self, e, src_bytes):
+        """One GPUDirect record: header block through the host engine, payload by kvikio."""
+        from megatron_snake.offload.gds import HEADER_BLOCK, gpu_checksum
+
+        f = self._file(e.kind)
+        off, length = f.allocate(HEADER_BLOCK + e.nbytes)
+        buf, = self.pool.acquire(1)
+        try:
+            write_record_header(buf.addr, self.run_id, e.khash, e.seq, 0, e.nbytes,
+                                gpu_checksum(src_bytes))
+            req = self.engine.write(f.fd, f.path, buf.addr, HEADER_BLOCK, off)
+            try:
+                self.gds.write(f.path, src_bytes, off + HEADER_BLOCK)
+            finally:
+                req.wait()
+        except BaseException:
+            f.free(off, length)
+            raise
+        finally:
+            self.pool.release([buf])
+        e.nvme, e.gds = [(off, length)], True
+        self.counters.add("nvme", nwritten=e.nbytes, requests=2)
+
+    def _read_nvme_gds(self, e, dst_bytes):
+        from megatron_snake.offload.gds import HEADER_BLOCK, gpu_checksum
+
+        f = self._files[e.kind]
+        (off, _), = e.nvme
+        buf, = self.pool.acquire(1)
+        try:
+            try:
+                self.engine.read(f.fd, f.path, buf.addr, HEADER_BLOCK, off).wait()
+            except OffloadIOError as exc:
+                if exc.short:
+                    raise IntegrityError(f"key {e.key!r}: record in {f.path} is truncated: {exc}") from exc
+                raise
+            crc = check_record_header(buf.addr, self.run_id, e.khash, e.seq, 0, e.nbytes, e.key, f.path)
+        finally:
+            self.pool.release([buf])
+        n = self.gds.read(f.path, dst_bytes, off + HEADER_BLOCK)
+        if n != e.nbytes:
+            raise IntegrityError(f"key {e.key!r}: record in {f.path} is truncated "
+                                 f"(GDS read {n} of {e.nbytes} bytes)")
+        got = gpu_checksum(dst_bytes)
+        if got != crc:
+            raise IntegrityError(f"key {e.key!r}: record in {f.path} is corrupt: GPU checksum "
+                                 f"mismatch (stored {crc:x}, computed {got:x})")
+        self.counters.add("nvme", nread=e.nbytes, requests=2)
+
+    # ---------------------------------------------------------------- readers
+
+    def _read_nvme(self, e, dst_bytes=None, into_host=None):
+        """Read e's records; verify each; copy payloads to dst_bytes or keep them in the
+        given host buffers (into_host: list of buffers, one per segment)."""
+        f = self._files[e.kind]
+        segs = self._segments(e.nbytes)
+        pending = []   # (request, staging buffer or None, seg, a, b, host buffer)
+
+        def finish(item):
+            req, buf, seg, a, b, hbuf = item
+            try:
+                try:
+                    req.wait()
+                except OffloadIOError as exc:
+                    if exc.short:
+                        raise IntegrityError(
+                            f"key {e.key!r}: record {seg} in {f.path} is truncated: {exc}. "
+                            "The data was NOT returned.") from exc
+                    raise
+                target = hbuf if hbuf is not None else buf
+                verify_record(target.addr, self.run_id, e.khash, e.seq, seg, b - a,
+                              self.checksum, e.key, f.path)
+                if hbuf is None:
+                    self._from_buffer(buf, dst_bytes, a, b)
+            finally:
+                self.counters.inflight(-1)
+                if buf is not None:
+                    self.pool.release([buf])
+
+        try:
+            for (seg, a, b), (off, length) in zip(segs, e.nvme):
+                if into_host is not None:
+                    hbuf, buf = into_host[seg], None
+                else:
+                    hbuf = None
+                    buf = self.pool.try_acquire()
+                    while buf is None:
+                        if pending:
+                            finish(pending.pop(0))
+                            buf = self.pool.try_acquire()
+                        else:
+                            buf = self.pool.acquire(1)[0]
+                try:
+                    req = self.engine.read(f.fd, f.path, (hbuf or buf).addr, length, off)
+                except BaseException:
+                    if buf is not None:
+                        self.pool.release([buf])
+                    raise
+                self.counters.inflight(+1)
+                pending.append((req, buf, seg, a, b, hbuf))
+            while pending:
+                finish(pending.pop(0))
+        except BaseException:
+            for req, buf, *_ in pending:
+                try:
+                    req.wait()
+                except OffloadIOError:
+                    pass
+                finally:
+                    self.counters.inflight(-1)
+                    if buf is not None:
+                        self.pool.release([buf])
+            raise
+        self.counters.add("nvme", nread=e.nbytes, requests=len(segs))
+
+    def _read_into(self, e, dst):
+        """Fill the contiguous tensor dst (stored dtype/shape) from the fastest tier."""
+        if e.nbytes == 0:
+            return
+        if e.gpu is not None:
+            if dst.is_cuda or e.gpu.is_cuda:
+                with _on(self._h2d):
+                    _bitcopy(dst, e.gpu, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                ev.synchronize()
+            else:
+                _bitcopy(dst, e.gpu)
+            self.counters.add("gpu", nread=e.nbytes)
+            return
+        dst_bytes = _as_bytes(dst)
+        if e.host is not None:
+            for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes)):
+                self._from_buffer(buf, dst_bytes, a, b)
+            self.counters.add("host", nread=e.nbytes)
+            return
+        if e.nvme is not None and e.gds:
+            if dst.is_cuda:
+                self._read_nvme_gds(e, dst_bytes)
+            else:
+                with _on(self._h2d):
+                    tmp = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                self._read_nvme_gds(e, tmp)
+                dst_bytes.copy_(tmp)
+            return
+        if e.nvme is not None:
+            self._read_nvme(e, dst_bytes=dst_bytes)
+            return
+        raise KeyError(f"key {e.key!r} has no copy on any tier (deleted?)")
+
+    # ---------------------------------------------------------------- operations (workers)
+
+    def _free_entry(self, e):
+        if e.host is not None:
+            self.pool.release(e.host, resident=True)
+            e.host = None
+        if e.nvme is not None:
+            f = self._files[e.kind]
+            for off, length in e.nvme:
+                f.free(off, length)
+            e.nvme = None
+        e.gpu = None
+
+    def _run_put(self, e, old, prev, tensor, tier, ready):
+        try:
+            try:
+                self._wait_prev(prev)
+            except Exception:  # noqa: BLE001 - the old value's failure is its own handle's
+                pass
+            if old is not None:
+                self._free_entry(old)
+            src = self._contiguous_source(tensor, ready)
+            if tier == "gpu":
+                self._write_gpu(e, src)
+            elif e.nbytes == 0:
+                if tier == "host":
+                    e.host = []
+                else:
+                    e.nvme = []
+            elif tier == "host":
+                self._write_host(e, _as_bytes(src))
+            elif self.gds is not None and src.is_cuda:
+                self._write_nvme_gds(e, _as_bytes(src))
+            else:
+                self._write_nvme(e, src_bytes=_as_bytes(src))
+        finally:
+            e.source = e.ready = None
+
+    def _run_forward(self, source, ready, free, dst, out, dtype):
+        if dst.is_cuda or source.is_cuda:
+            stream = self._h2d
+            for ev in (ready, free):
+                if ev is not None:
+                    if stream is not None:
+                        stream.wait_event(ev)
+                    else:
+                        ev.synchronize()
+            with _on(stream):
+                _bitcopy(dst, source, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+            ev.synchronize()
+        else:
+            _bitcopy(dst, source)
+        return self._finish(dst, out, dtype)
+
+    def _run_get(self, e, prev, free, dst, out, dtype):
+        self._wait_prev(prev)
+        if free is not None:
+            if self._h2d is not None:
+                self._h2d.wait_event(free)
+            else:
+                free.synchronize()
+        self._read_into(e, dst)
+        return self._finish(dst, out, dtype)
+
+    def _run_prefetch(self, e, prev, tier):
+        self._wait_prev(prev)
+        if tier == "nvme" or (tier == "gpu" and e.gpu is not None) or (tier == "host" and e.host is not None):
+            if tier == "nvme" and e.nvme is None:
+                self._run_evict(e, None, "nvme", drop=False)
+            return
+        if tier == "gpu":
+            with _on(self._h2d):      # allocated for the copy stream
+                dst = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+            self._read_into(e, dst)
+            e.gpu = dst
+            self.counters.add("gpu", nwritten=e.nbytes)
+            return
+        # host
+        if e.gpu is not None or e.gds:
+            src = e.gpu
+            if src is None:
+                with _on(self._h2d):
+                    src = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                self._read_into(e, src)
+            self._write_host(e, _as_bytes(src))
+            return
+        segs = self._segments(e.nbytes)
+        bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
+        try:
+            self._read_nvme(e, into_host=bufs)
+        except BaseException:
+            self.pool.release(bufs, resident=True)
+            raise
+        e.host, e.host_sealed = bufs, True
+        self.counters.add("host", nwritten=e.nbytes)
+
+    def _run_evict(self, e, prev, tier, drop=True):
+        self._wait_prev(prev)
+        if tier == "gpu":
+            return
+        if tier == "host" and e.host is None:
+            if e.gpu is None:
+                return       # already below host: nothing faster to drop
+            self._write_host(e, _as_bytes(e.gpu))
+        if tier == "nvme" and e.nvme is None:
+            if e.nbytes == 0:
+                e.nvme = []
+            elif e.host is not None:
+                self._write_nvme(e)
+            elif self.gds is not None and e.gpu.is_cuda:
+                self._write_nvme_gds(e, _as_bytes(e.gpu))
+            else:
+                self._write_nvme(e, src_bytes=_as_bytes(e.gpu))
+        if drop:
+            e.gpu = None
+            if tier == "nvme" and e.host is not None:
+                self.pool.release(e.host, resident=True)
+                e.host = None
+
+    def _run_delete(self, e, prev):
+        try:
+            self._wait_prev(prev)
+        except Exception:  # noqa: BLE001
+            pass
+        self._free_entry(e)

@@ -1,0 +1,207 @@
+"""The offload directory: bad paths, free space, a second job, a killed job.
+
+Where a real condition can be built here it is: a small tmpfs and a read-only bind mount
+need root and a kernel that allows mounts (true in this project's CI container); without
+them those two cases use the injected probes (free_space_probe / write_probe) and say so.
+"""
+
+import contextlib
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from megatron_snake.offload import CapacityError, OffloadDirError, TensorStore
+
+BUF = 64 << 10
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_store(path, rank=0, **kw):
+    return TensorStore(path, rank=rank, host_memory_limit=16 * BUF, buffer_bytes=BUF, **kw)
+
+
+@contextlib.contextmanager
+def mounted(*mount_args, target):
+    """Mount (root only); yields False when mounting is not permitted here."""
+    os.makedirs(target, exist_ok=True)
+    ok = subprocess.run(["mount", *mount_args, target], capture_output=True).returncode == 0
+    try:
+        yield ok
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", target], capture_output=True)
+
+
+# ------------------------------------------------------------------ bad paths
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(OffloadDirError, match="--snake-offload-dir .*does not exist"):
+        small_store(tmp_path / "nope")
+
+
+def test_not_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OffloadDirError, match="is not a directory"):
+        small_store(f)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "rank0").write_text("x")        # rank dir path taken by a file
+    with pytest.raises(OffloadDirError, match="rank0 exists and is not a directory"):
+        small_store(tmp_path / "d")
+
+
+def test_read_only_dir(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rank0").mkdir()
+    ro = tmp_path / "ro"
+    with mounted("--bind", str(src), target=str(ro)) as ok:
+        if ok and subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)],
+                                 capture_output=True).returncode == 0:
+            # real: a read-only bind mount (chmod 0500 would not stop root)
+            with pytest.raises(OffloadDirError, match="not writable"):
+                small_store(ro)
+            with pytest.raises(OffloadDirError, match="writable"):
+                small_store(ro, rank=1)                # rank1 cannot even be created
+            return
+
+    # simulated: mounts not permitted; the write probe reports EROFS as the kernel would
+    def read_only(path):
+        raise OSError(30, "Read-only file system")
+
+    with pytest.raises(OffloadDirError, match="not writable"):
+        small_store(src, write_probe=read_only)
+
+
+def test_rank_dir_mode_and_cleanup(tmp_path):
+    with small_store(tmp_path) as s:
+        rank_dir = tmp_path / "rank0"
+        assert stat.S_IMODE(os.stat(rank_dir).st_mode) == 0o700
+        s.put("a", torch.ones(100000), tier="nvme").wait()
+        s.put("b", torch.ones(10), tier="nvme", kind="grad").wait()
+        assert sorted(os.listdir(rank_dir)) == ["LOCK", "grad.swap", "misc.swap"]
+    assert not rank_dir.exists()                     # clean exit: everything removed
+
+
+# ------------------------------------------------------------------ capacity
+
+def test_capacity_check_injected_probe(tmp_path):
+    free = 10 << 30
+    with small_store(tmp_path, free_space_probe=lambda p: free) as s:
+        s.check_capacity(8 << 30)
+        with pytest.raises(CapacityError) as ei:
+            s.check_capacity(12 << 30)
+        msg = str(ei.value)
+        assert "--snake-offload-dir" in msg and "12.00 GiB" in msg and "10.00 GiB is free" in msg
+        assert "needs 12.85 GiB" in msg                     # 12 GiB + 5% + 256 MiB
+
+
+def test_capacity_real_small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    with mounted("-t", "tmpfs", "-o", "size=4m", "tmpfs", target=str(mnt)) as ok:
+        if not ok:
+            pytest.skip("mount not permitted here; covered by the injected-probe test")
+        with small_store(mnt) as s:
+            with pytest.raises(CapacityError, match="free on that file system"):
+                s.check_capacity(64 << 20)
+            # the plan was wrong and the drive fills up anyway: a clear error, not ENOSPC
+            with pytest.raises(CapacityError, match="no space left"):
+                s.put("big", torch.zeros(2 << 20), tier="nvme").wait()   # 8 MiB > 4 MiB
+            s.put("small", torch.arange(1000.0), tier="nvme").wait()
+            assert torch.equal(s.get("small").wait(), torch.arange(1000.0))
+
+
+# ------------------------------------------------------------------ other jobs
+
+HOLDER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {repo!r})
+    from megatron_snake.offload import TensorStore
+    s = TensorStore({path!r}, rank=0, host_memory_limit=16 * {buf}, buffer_bytes={buf})
+    s.put("first", torch.ones(1000), tier="nvme").wait()
+    print("ready", flush=True)
+    i = 0
+    while {write_forever}:
+        s.put(("k", i % 50), torch.full(({buf} // 2,), float(i)), tier="nvme")
+        i += 1
+    sys.stdin.read()
+    s.close()
+""")
+
+
+def spawn(path, write_forever):
+    code = HOLDER.format(repo=REPO, path=str(path), buf=BUF, write_forever=write_forever)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_second_job_on_the_same_dir_fails_at_once(tmp_path):
+    p = spawn(tmp_path, write_forever=False)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(OffloadDirError) as ei:
+            small_store(tmp_path)
+        assert time.perf_counter() - t0 < 2
+        msg = str(ei.value)
+        assert "in use by another job" in msg and f'"pid": {p.pid}' in msg
+        assert small_store(tmp_path, rank=1).close() is None     # other ranks are free
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    assert p.returncode == 0
+    assert not (tmp_path / "rank0").exists()          # the holder exited cleanly
+
+
+def test_sigkill_mid_write_then_new_run(tmp_path, caplog):
+    p = spawn(tmp_path, write_forever=True)
+    time.sleep(0.5)                                    # writes in flight
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    rank_dir = tmp_path / "rank0"
+    assert (rank_dir / "misc.swap").exists() and (rank_dir / "LOCK").exists()
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+        s = small_store(tmp_path)
+    with s:
+        stale = [os.path.basename(path) for path, _, _ in s.dir.stale]
+        assert "misc.swap" in stale and "LOCK" in stale
+        assert "stale files" in caplog.text and "misc.swap" in caplog.text
+        assert f"pid {p.pid}" in caplog.text           # the killed run is named
+        assert s.keys() == []                           # nothing of the old run is visible
+        with pytest.raises(KeyError):
+            s.get("first")
+        t = torch.randn(BUF)
+        s.put("first", t, tier="nvme").wait()           # the directory works again
+        assert torch.equal(s.get("first").wait(), t)
+    assert not rank_dir.exists()
+
+
+def test_no_o_direct_falls_back_to_buffered_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """tmpfs before Linux 6.6 (and some network file systems) reject O_DIRECT with EINVAL;
+    simulated here because this kernel's tmpfs accepts it."""
+    from megatron_snake.offload import swap_file
+
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(swap_file.os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+        with small_store(tmp_path) as s:
+            t = torch.randn(50000)
+            s.put("a", t, tier="nvme").wait()
+            assert torch.equal(s.get("a").wait(), t)
+            assert "buffered" in s.summary()
+    assert "does not support O_DIRECT" in caplog.text

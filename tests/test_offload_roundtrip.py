@@ -1,0 +1,197 @@
+"""Byte-exact round trips of every storable torch dtype and of 0-d, empty, non-contiguous
+and odd-sized tensors, through every tier path, with every engine (native io_uring, native
+thread pool, pure-Python fallback). CPU only: the `gpu` tier is the compute device (CPU)."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from megatron_snake.offload import TensorStore
+from megatron_snake.offload.engine import native_available
+
+ENGINES = ["python"] + (["uring", "threads"] if native_available() else [])
+BUF = 64 << 10  # small host buffers: a 200 KiB tensor spans several records
+
+
+def storable_dtypes():
+    """Every dtype torch can hold as a plain strided tensor: all but the quantized ones
+    (the store copies bits through a same-size integer view, so even dtypes without a copy
+    kernel of their own, float4_e2m1fn_x2, bits*, int1..int7, round-trip)."""
+    out = []
+    warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+    for dt in sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str):
+        if "qint" in str(dt) or "quint" in str(dt):
+            continue
+        try:
+            torch.empty(3, dtype=dt).view(torch.uint8)
+            out.append(dt)
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+DTYPES = storable_dtypes()
+
+
+def random_tensor(shape, dtype, gen):
+    t = torch.empty(shape, dtype=dtype)
+    raw = t.reshape(-1).view(torch.uint8)
+    hi = 2 if dtype == torch.bool else 256
+    raw.copy_(torch.randint(0, hi, (raw.numel(),), dtype=torch.uint8, generator=gen))
+    return t
+
+
+def cases(dtype, gen):
+    """(name, tensor): 0-d, empty, odd-sized, multi-record, and non-contiguous tensors."""
+    big = random_tensor((97, 61 * 8), dtype, gen)     # 47 KiB x itemsize: several records
+    yield "0d", random_tensor((), dtype, gen)
+    yield "empty", random_tensor((0, 3), dtype, gen)
+    yield "odd", random_tensor((7, 13), dtype, gen)
+    yield "multi", random_tensor((25013,), dtype, gen)
+    yield "transposed", big.t()
+    yield "strided", big[1::3, ::5]
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t):
+    """Same-size integer view: copies of it are bit copies for every dtype (float4 has no
+    copy kernel of its own)."""
+    it = _INT.get(t.element_size())
+    return t if it is None else t.view(it)
+
+
+def as_bytes(t):
+    return bits(t).contiguous().reshape(-1).view(torch.uint8)
+
+
+def clone(t):
+    return bits(t).clone().view(t.dtype)
+
+
+def assert_same(got, want, what):
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
+    assert torch.equal(as_bytes(got), as_bytes(want)), f"{what}: bytes differ"
+
+
+# tier paths: how the value travels before it is read back
+PATHS = {
+    "gpu": lambda s, k: None,
+    "host": lambda s, k: None,
+    "nvme": lambda s, k: None,
+    "nvme>prefetch host": lambda s, k: s.prefetch(k, "host").wait(),
+    "nvme>prefetch gpu": lambda s, k: s.prefetch(k, "gpu").wait(),
+    "host>evict nvme": lambda s, k: s.evict(k, "nvme").wait(),
+    "gpu>evict host>evict nvme": lambda s, k: (s.evict(k, "host").wait(), s.evict(k, "nvme").wait()),
+    "host>evict nvme>prefetch host": lambda s, k: (s.evict(k, "nvme").wait(), s.prefetch(k, "host").wait()),
+}
+
+
+@pytest.fixture(params=ENGINES)
+def store(request, tmp_path):
+    with TensorStore(tmp_path, rank=0, host_memory_limit=64 * BUF, buffer_bytes=BUF,
+                     engine=request.param, workers=2) as s:
+        yield s
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_round_trip_every_dtype(store, path):
+    gen = torch.Generator().manual_seed(0)
+    first_tier = path.split(">")[0]
+    for dtype in DTYPES:
+        for name, t in cases(dtype, gen):
+            key = (str(dtype), name)
+            keep = clone(t)
+            store.put(key, t, tier=first_tier).wait()
+            PATHS[path](store, key)
+            got = store.get(key).wait()
+            assert_same(got, keep, f"{dtype} {name} via {path}")
+            assert_same(t, keep, "put must not modify its source")
+            store.delete(key).wait()
+    assert store.keys() == []
+
+
+def test_dtypes_cover_the_usual_ones():
+    assert len(DTYPES) >= 20
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.bool,
+               torch.complex64, torch.int64, torch.uint8, torch.uint64):
+        assert dt in DTYPES
+
+
+def test_get_into_out_dtype_device(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        t = torch.randn(300, 200)
+        s.put("w", t, tier="nvme").wait()
+        out = torch.empty(200, 300).t()                   # non-contiguous destination
+        assert s.get("w", out=out).wait() is out
+        assert torch.equal(out, t)
+        half = s.get("w", dtype=torch.bfloat16).wait()
+        assert half.dtype == torch.bfloat16 and torch.equal(half, t.to(torch.bfloat16))
+        with pytest.raises(ValueError, match="shape"):
+            s.get("w", out=torch.empty(3)).wait()
+
+
+def test_tiers_move_and_replace(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        a, b = torch.arange(50000, dtype=torch.int32), torch.ones(10)
+        s.put("k", a, tier="gpu")
+        assert s.tiers("k") == ["gpu"]
+        s.evict("k", "host").wait()
+        assert s.tiers("k") == ["host"]
+        s.prefetch("k", "nvme").wait()
+        assert s.tiers("k") == ["host", "nvme"]
+        s.evict("k", "nvme").wait()
+        assert s.tiers("k") == ["nvme"]
+        assert s.pool.resident == 0
+        s.put("k", b, tier="host").wait()                 # replaces: nvme extents freed
+        assert s.tiers("k") == ["host"] and torch.equal(s.get("k").wait(), b)
+        assert sum(f.used for f in s._files.values()) == 0
+        s.delete("k").wait()
+        assert "k" not in s and s.pool.resident == 0
+        with pytest.raises(KeyError, match="no key"):
+            s.get("k")
+
+
+def test_forwarding_serves_a_pending_put_from_memory(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
+        gate = threading.Event()
+        s._exec.submit(gate.wait)          # the only worker is busy: the put cannot start
+        t = torch.randn(1000)
+        h_put = s.put("x", t, tier="nvme")
+        h_get = s.get("x")
+        assert not h_put.done() and h_get.done()
+        assert torch.equal(h_get.wait(), t)
+        gate.set()
+        h_put.wait()
+        assert s.tiers("x") == ["nvme"] and torch.equal(s.get("x").wait(), t)
+
+
+def test_counters_and_summary(tmp_path, caplog):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        t = torch.randn(100000)                           # 400 KB
+        s.put("a", t, tier="nvme").wait()
+        s.get("a").wait()
+        s.put("b", t, tier="host").wait()
+        s.get("b").wait()
+        c = s.counters
+        assert c.written["nvme"] == c.read["nvme"] == 400000
+        assert c.written["host"] == c.read["host"] == 400000
+        assert c.requests >= 2 * (400000 // BUF) and c.max_queue_depth >= 1 and c.queue_depth == 0
+        line = s.summary()
+        assert "nvme r" in line and "blocked" in line and "qd" in line and "\n" not in line
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_quantized_and_sparse_are_refused(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+        with pytest.raises(TypeError, match="dense strided"):
+            s.put("q", q)
+        with pytest.raises(TypeError, match="dense strided"):
+            s.put("sp", torch.eye(3).to_sparse())
+        with pytest.raises(ValueError, match="unknown tier"):
+            s.put("x", torch.ones(1), tier="ssd")
