@@ -61,3 +61,25 @@ class InMemoryStore:
 
     def __len__(self):
         return len(self._checkpoints)
+
+
+class CombinedStore:
+    """Checkpoints from one store, unit weights from another."""
+
+    def __init__(self, checkpoints, weights):
+        self.checkpoints, self.weights = checkpoints, weights
+
+    def save_checkpoint(self, unit, microbatch, hidden):
+        self.checkpoints.save_checkpoint(unit, microbatch, hidden)
+
+    def load_checkpoint(self, unit, microbatch):
+        return self.checkpoints.load_checkpoint(unit, microbatch)
+
+    def drop_checkpoint(self, unit, microbatch):
+        self.checkpoints.drop_checkpoint(unit, microbatch)
+
+    def acquire_unit(self, unit, *, next_unit, for_backward):
+        self.weights.acquire_unit(unit, next_unit=next_unit, for_backward=for_backward)
+
+    def release_unit(self, unit, *, gradients_final):
+        self.weights.release_unit(unit, gradients_final=gradients_final)

@@ -1,0 +1,118 @@
+"""Unit weights in the tensor store, on the compute device one unit at a time; gradients
+accumulated per unit in fp32 and handed to the optimizer the moment they are final.
+
+Implements the weight half of the schedule's ``UnitStore`` interface. A unit's working
+weights are two records (the optimizer's backward and forward parts, so each part's update
+can publish its weights on its own); ``acquire_unit`` waits for the unit's pending update,
+reads both records into one device buffer and points the parameters at views of it;
+``release_unit`` drops the buffer. While a unit is acquired for backward, each parameter's
+gradient is added into an fp32 buffer (Megatron's ``main_grad`` arithmetic) by a
+post-accumulate hook, and on release that buffer goes to the optimizer. Shared (tied)
+parameters stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
+from megatron_snake.optim.unit_params import SHARED, UnitParams
+
+
+class OffloadedUnits:
+    def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
+                 dtype: torch.dtype, tier: str = "nvme"):
+        """Moves the parameters' values into the store. Build ``optimizer`` first: it
+        takes its fp32 master copy from the parameters; it then publishes its updated
+        weights here."""
+        self.params, self.store, self.device = unit_params, store, device
+        self.dtype, self.alpha, self.tier = dtype, optimizer.alpha, tier
+        self.optimizer = optimizer
+        optimizer.on_weights = self.publish
+        alpha = optimizer.alpha
+        self._grad_views: dict[int, torch.Tensor] = {}
+        self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
+        for lay in unit_params.units:
+            flat = lay.gather(dtype=dtype)
+            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, alpha)):
+                store.put(("w", lay.key, part), flat[lo:hi], tier=tier, kind="weights")
+            self._release_weights(lay)
+        for lay in unit_params.all_layouts():
+            for seg in lay.segments:
+                seg.param.register_post_accumulate_grad_hook(self._accumulate)
+        store.synchronize()
+
+    # --- gradients -----------------------------------------------------------------------
+    def _accumulate(self, param: torch.nn.Parameter) -> None:
+        self._grad_views[id(param)].add_(param.grad.view(-1))
+        param.grad = None
+
+    def _start_gradients(self, lay) -> None:
+        if lay.key in self._grads or not lay.segments:
+            return
+        buf = torch.zeros(lay.numel, dtype=torch.float32, device=self.device)
+        self._grads[lay.key] = buf
+        for seg in lay.segments:
+            self._grad_views[id(seg.param)] = buf[seg.offset:seg.offset + seg.numel]
+
+    # --- weights -------------------------------------------------------------------------
+    def _release_weights(self, lay) -> None:
+        for seg in lay.segments:
+            seg.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def publish(self, key, part: str, master: torch.Tensor) -> None:
+        """The optimizer's callback: new working weights for one part of a layout."""
+        if key == SHARED:
+            lay = self.params.shared
+            lo, hi = part_bounds(lay.numel, self.alpha)[PARTS.index(part)]
+            for seg, piece in lay.pieces(lo, hi):
+                flat_param = seg.param.data.view(-1)
+                src = master[piece.start - lo:piece.stop - lo]
+                flat_param[piece.start - seg.offset:piece.stop - seg.offset].copy_(src)
+            return
+        self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier, kind="weights")
+
+    def acquire_unit(self, unit, *, next_unit, for_backward):
+        owned = self.params.layouts_owned_by(unit)
+        for lay in owned:
+            self.optimizer.finish_update(lay.key)
+        if next_unit is not None and not for_backward:
+            for lay in self.params.layouts_owned_by(next_unit):
+                self.optimizer.start_update(lay.key)  # runs while this unit computes
+        lay = self.params.units[unit]
+        flat = torch.empty(lay.numel, dtype=self.dtype, device=self.device)
+        handles = [self.store.get(("w", unit, part), out=flat[lo:hi])
+                   for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha))
+                   if hi > lo]
+        for handle in handles:
+            handle.wait()
+        for seg, view in zip(lay.segments, lay.views(flat)):
+            seg.param.data = view
+        if for_backward:
+            self._start_gradients(lay)
+            if self.params.shared.segments:
+                self._start_gradients(self.params.shared)
+        if next_unit is not None and self.tier == "nvme":
+            for part in PARTS:
+                if ("w", next_unit, part) in self.store:
+                    self.store.prefetch(("w", next_unit, part), tier="host")
+
+    def release_unit(self, unit, *, gradients_final):
+        if gradients_final:
+            for lay in self.params.layouts_owned_by(unit):
+                grad = self._grads.pop(lay.key, None)
+                if grad is not None:
+                    self.optimizer.gradient_ready(lay.key, grad)
+        self._release_weights(self.params.units[unit])
+
+    def load_all(self) -> None:
+        """Every pending update applied and every unit's weights back in its parameters
+        (for evaluation outside the schedule, a checkpoint, or the end of training)."""
+        self.optimizer.flush()
+        for lay in self.params.units:
+            flat = torch.empty(lay.numel, dtype=self.dtype, device=self.device)
+            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
+                if hi > lo:
+                    self.store.get(("w", lay.key, part), out=flat[lo:hi]).wait()
+            for seg, view in zip(lay.segments, lay.views(flat)):
+                seg.param.data = view

@@ -1,0 +1,189 @@
+"""AdamW with its state offloaded per unit, stepped unit by unit, overlapped with compute.
+
+Every flat layout (a unit's parameters, or the shared ones) keeps its fp32 master weights
+and both moments in the tensor store, cut at ``split = (1 - alpha) * numel`` into a
+*backward part* and a *forward part*, each its own record. When a unit's gradient is final
+in the backward sweep, the backward part is updated at once on a CPU worker thread while
+the GPU goes on with the next unit; the forward part waits for the next forward sweep and is
+applied, one unit ahead of compute, before the unit's weights are read. With gradient
+clipping on, no part can run before the global gradient norm is known at the step
+boundary, so both parts run in the next forward sweep. Either way every unit is updated
+before its next read (no staleness) and each state byte is read and written once per step.
+
+The arithmetic is torch's fused AdamW kernel (the one ``torch.optim.AdamW(fused=True)``
+runs) on views of the flat buffers: elementwise, so cutting a buffer into parts or
+parameters into segments changes no bit. Weight decay follows Megatron (none on biases and
+1-D parameters); ``param_groups`` lets Megatron's OptimizerParamScheduler set lr and wd.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from megatron_snake.optim.unit_params import FlatLayout, UnitParams
+
+PARTS = ("bwd", "fwd")
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def part_bounds(numel: int, alpha: float):
+    """Element ranges of the backward part and the forward part of a flat buffer."""
+    split = int(round((1.0 - alpha) * numel))
+    return (0, split), (split, numel)
+
+
+@dataclass(frozen=True)
+class StepHyper:
+    """What one step's update of every part uses, fixed when the step's first gradient is
+    final (the scheduler moves lr only after the step)."""
+
+    step: int
+    lr: float
+    weight_decay: float
+
+
+class OffloadedAdamW:
+    def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
+                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
+                 on_weights=None):
+        if not 0.0 <= alpha <= 0.5:
+            raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
+        self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
+        self.store, self.tier = store, tier
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.clip_grad, self.alpha = clip_grad, alpha
+        # Called with (layout key, part, new working values) after each part's update.
+        self.on_weights = on_weights
+        # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
+        self.param_groups = [{"lr": lr, "weight_decay": weight_decay, "wd_mult": 1.0},
+                             {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0}]
+        self.iteration = 0           # completed steps
+        self._hyper: StepHyper | None = None
+        self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm
+        self._clip_coef: torch.Tensor | None = None
+        self._deferred: dict = {}    # (key, part) -> StepHyper, waiting for the next forward
+        self._running: dict = {}     # (key, part) -> Future on the worker
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
+        for key, lay in self.layouts.items():
+            master = lay.gather(device="cpu", dtype=torch.float32)
+            for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
+                self.store.put(("master", key, part), master[lo:hi], tier=tier, kind="optim")
+                zeros = torch.zeros(hi - lo, dtype=torch.float32)
+                self.store.put(("exp_avg", key, part), zeros, tier=tier, kind="optim")
+                self.store.put(("exp_avg_sq", key, part), zeros, tier=tier, kind="optim")
+        self.store.synchronize()
+
+    # --- layout ----------------------------------------------------------------------
+    def _bounds(self, lay: FlatLayout):
+        return part_bounds(lay.numel, self.alpha)
+
+    def state_bytes(self) -> int:
+        return sum(3 * 4 * lay.numel for lay in self.layouts.values())
+
+    # --- backward sweep ----------------------------------------------------------------
+    def gradient_ready(self, key, grad: torch.Tensor) -> None:
+        """``grad`` (flat, fp32, any device) is the final gradient of layout ``key`` for
+        this step. Runs the backward part now unless clipping needs the global norm."""
+        if self._hyper is None:
+            self._hyper = StepHyper(self.iteration + 1, self.param_groups[0]["lr"],
+                                    self.param_groups[0]["weight_decay"])
+        grad = grad.detach().to("cpu", torch.float32, copy=True)
+        lay = self.layouts[key]
+        for seg in lay.segments:
+            self._norms[seg.index] = torch.linalg.vector_norm(grad[seg.offset:seg.offset + seg.numel])
+        for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
+            if hi == lo:
+                continue
+            self.store.put(("grad", key, part), grad[lo:hi], tier=self.tier, kind="grad")
+            if part == "bwd" and not self.clip_grad:
+                self._submit(key, part, self._hyper)
+            else:
+                self._deferred[(key, part)] = self._hyper
+
+    # --- step boundary -----------------------------------------------------------------
+    def step(self):
+        """The step boundary: the global gradient norm is known now. Returns Megatron's
+        (update_successful, grad_norm, num_zeros_in_grad)."""
+        # The 2-norm of the per-parameter norms, in parameter order, in fp32: the same
+        # arithmetic as torch.nn.utils.clip_grad_norm_ (and Megatron's formula).
+        norms = [self._norms[i] for i in sorted(self._norms)]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros([])
+        self._clip_coef = None
+        if self.clip_grad:
+            self._clip_coef = torch.clamp(self.clip_grad / (total + 1.0e-6), max=1.0)
+        self.iteration += 1
+        self._hyper, self._norms = None, {}
+        return True, total.item(), None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in per-unit buffers that start at zero every step."""
+
+    # --- forward sweep -----------------------------------------------------------------
+    def start_update(self, key) -> None:
+        """Start the deferred parts of ``key`` on the worker (one unit ahead of compute)."""
+        for part in PARTS:
+            hyper = self._deferred.pop((key, part), None)
+            if hyper is not None:
+                self._submit(key, part, hyper, clip_coef=self._clip_coef)
+
+    def finish_update(self, key) -> None:
+        """Block until every part of ``key`` is updated: call before reading its weights."""
+        self.start_update(key)
+        for part in PARTS:
+            with self._lock:
+                fut = self._running.pop((key, part), None)
+            if fut is not None:
+                fut.result()
+
+    def flush(self) -> None:
+        """Apply every pending update (before evaluation, a checkpoint, or the end)."""
+        for key in self.layouts:
+            self.finish_update(key)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.tensor(1.0)
+
+    # --- the update ----------------------------------------------------------------------
+    def _submit(self, key, part, hyper: StepHyper, clip_coef=None) -> None:
+        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef)
+        with self._lock:
+            previous = self._running.get((key, part))
+            if previous is not None:
+                previous.result()
+            self._running[(key, part)] = fut
+
+    def _update(self, key, part: str, hyper: StepHyper, clip_coef) -> None:
+        lay = self.layouts[key]
+        lo, hi = self._bounds(lay)[PARTS.index(part)]
+        handles = {name: self.store.get((name, key, part)) for name in STATES + ("grad",)}
+        state = {name: h.wait() for name, h in handles.items()}
+        grad = state.pop("grad")
+        self.store.delete(("grad", key, part))
+        if clip_coef is not None:
+            grad.mul_(clip_coef)
+        by_decay: dict[bool, list[slice]] = {True: [], False: []}
+        for seg, piece in lay.pieces(lo, hi):
+            by_decay[seg.decay].append(slice(piece.start - lo, piece.stop - lo))
+        step = torch.tensor(float(hyper.step))
+        for decay, pieces in by_decay.items():
+            if not pieces:
+                continue
+            torch._fused_adamw_(
+                [state["master"][s] for s in pieces], [grad[s] for s in pieces],
+                [state["exp_avg"][s] for s in pieces], [state["exp_avg_sq"][s] for s in pieces],
+                [], [step] * len(pieces), lr=hyper.lr, beta1=self.beta1, beta2=self.beta2,
+                weight_decay=hyper.weight_decay if decay else 0.0, eps=self.eps,
+                amsgrad=False, maximize=False)
+        for name in STATES:
+            self.store.put((name, key, part), state[name], tier=self.tier, kind="optim")
+        if self.on_weights is not None:
+            self.on_weights(key, part, state["master"])
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
