@@ -105,6 +105,47 @@ class OffloadedUnits:
                     self.optimizer.gradient_ready(lay.key, grad)
         self._release_weights(self.params.units[unit])
 
+    # --- checkpoints -------------------------------------------------------------------
+    def _read_flat(self, lay) -> torch.Tensor:
+        flat = torch.empty(lay.numel, dtype=self.dtype)
+        for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
+            if hi > lo:
+                self.store.get(("w", lay.key, part), out=flat[lo:hi]).wait()
+        return flat
+
+    def model_state_dict(self, module: torch.nn.Module) -> dict:
+        """``module.state_dict()`` with every offloaded parameter read back from the store,
+        one unit at a time, on the CPU (the model never has to fit on the device)."""
+        self.optimizer.flush()
+        state = module.state_dict()
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        for lay in self.params.units:
+            for seg, view in zip(lay.segments, lay.views(self._read_flat(lay))):
+                state[name_of[id(seg.param)]] = view.clone()
+        return state
+
+    def load_model_state_dict(self, module: torch.nn.Module, state: dict) -> None:
+        """Put a saved ``module.state_dict()`` back: offloaded parameters into the store,
+        the rest (shared parameters, buffers) into the module."""
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        offloaded = set()
+        for lay in self.params.units:
+            names = [name_of[id(seg.param)] for seg in lay.segments]
+            offloaded.update(names)
+            if not names:
+                continue
+            flat = torch.cat([state[n].reshape(-1).to(self.dtype) for n in names])
+            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
+                self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier,
+                               kind="weights")
+        rest = {k: v for k, v in state.items() if k not in offloaded}
+        missing, unexpected = module.load_state_dict(rest, strict=False)
+        missing = [k for k in missing if k not in offloaded]
+        if missing or unexpected:
+            raise KeyError(f"checkpoint does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+        self.store.synchronize()
+
     def load_all(self) -> None:
         """Every pending update applied and every unit's weights back in its parameters
         (for evaluation outside the schedule, a checkpoint, or the end of training)."""

@@ -146,6 +146,36 @@ class OffloadedAdamW:
         for key in self.layouts:
             self.finish_update(key)
 
+    def state_dict(self) -> dict:
+        """Every layout's master weights and moments (read back from their tier), the step
+        count and the hyper-parameters: what a checkpoint needs to resume exactly."""
+        self.flush()
+        state = {"iteration": self.iteration, "alpha": self.alpha,
+                 "param_groups": [dict(g) for g in self.param_groups], "layouts": {}}
+        for key in self.layouts:
+            state["layouts"][key] = {
+                name: torch.cat([self.store.get((name, key, part)).wait() for part in PARTS])
+                for name in STATES}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["layouts"]) != set(self.layouts):
+            raise KeyError("checkpoint optimizer state does not match the model's units "
+                           f"({sorted(map(str, state['layouts']))} vs "
+                           f"{sorted(map(str, self.layouts))}); was it saved with another "
+                           "--snake-checkpoint-interval?")
+        self.flush()
+        self.iteration = state["iteration"]
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        for key, lay in self.layouts.items():
+            for name in STATES:
+                flat = state["layouts"][key][name]
+                for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
+                    self.store.put((name, key, part), flat[lo:hi].contiguous(), tier=self.tier,
+                                   kind="optim")
+        self.store.synchronize()
+
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor(1.0)
 

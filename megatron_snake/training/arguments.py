@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "it); default: a new temporary directory")
     g.add_argument("--snake-activation-tier", default="nvme", choices=SNAKE_TIERS,
                    help="where unit checkpoints live between the forward and backward sweeps")
+    g.add_argument("--snake-param-tier", default="nvme", choices=SNAKE_TIERS[1:],
+                   help="where unit working weights live between their uses")
+    g.add_argument("--snake-optimizer-tier", default="nvme", choices=SNAKE_TIERS[1:],
+                   help="where fp32 master weights and Adam moments live")
+    g.add_argument("--snake-alpha", type=float, default=0.25,
+                   help="fraction of each unit's optimizer update deferred from the backward "
+                        "sweep to the next forward sweep (0 to 0.5); with --clip-grad the "
+                        "whole update waits for the global norm and runs in the forward sweep")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
     return p
@@ -174,6 +182,14 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         args.snake_host_memory_limit = parse_size(args.snake_host_memory_limit)
     except argparse.ArgumentTypeError as exc:
         _fail(parser, "--snake-host-memory-limit", str(exc))
+    if not 0.0 <= args.snake_alpha <= 0.5:
+        _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
+    if args.snake_offload and args.fp16:
+        _fail(parser, "--fp16", "fp16 loss scaling with --snake-offload is not supported yet; "
+              "use --bf16")
+    if args.snake_offload and args.data_parallel_size > 1:
+        _fail(parser, "--snake-offload", f"data parallelism (world size {world}) with the "
+              "offloaded optimizer is not supported yet; run one rank per model replica")
     if args.snake_offload and args.pipeline_model_parallel_size > 1:
         _fail(parser, "--pipeline-model-parallel-size",
               "pipeline parallelism with --snake-offload is not supported yet; use 1")

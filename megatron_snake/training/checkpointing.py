@@ -19,8 +19,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megatron_snake.models.gpt_units import unwrap_model
-
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 # Settings that must match between the run that saved and the run that loads.
@@ -62,8 +60,8 @@ def set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
-def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model, optimizer,
-                    scheduler, args) -> str:
+def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_state: dict,
+                    optimizer_state: dict, scheduler_state: dict, args) -> str:
     """Write the training state of this rank; returns the iteration directory."""
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
@@ -82,10 +80,11 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model, 
             "args": {k: getattr(args, k) for k in MUST_MATCH},
             "snake": {"offload": args.snake_offload,
                       "checkpoint_interval": args.snake_checkpoint_interval,
-                      "schedule": args.snake_schedule},
-            "model": unwrap_model(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "opt_param_scheduler": scheduler.state_dict(),
+                      "schedule": args.snake_schedule,
+                      "alpha": args.snake_alpha},
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "opt_param_scheduler": scheduler_state,
             "rng_state": rng_state(),
         }
         path = os.path.join(tmp, _rank_dir_name(), "model_optim_rng.pt")
@@ -108,9 +107,10 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model, 
     return final
 
 
-def load_checkpoint(root: str, *, model, optimizer, scheduler, args) -> tuple[int, int]:
-    """Restore this rank's state from the latest checkpoint under ``root``.
-    Returns (iteration, consumed_samples)."""
+def load_checkpoint(root: str, *, args) -> dict:
+    """Read this rank's state from the latest checkpoint under ``root``, checked against
+    the flags of this run. The caller applies its "model", "optimizer",
+    "opt_param_scheduler" and "rng_state" entries."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         raise FileNotFoundError(
@@ -130,13 +130,12 @@ def load_checkpoint(root: str, *, model, optimizer, scheduler, args) -> tuple[in
         detail = ", ".join(f"--{k.replace('_', '-')} saved {a!r} now {b!r}"
                            for k, (a, b) in mismatched.items())
         raise ValueError(f"--load {root}: the checkpoint was saved with other settings: {detail}")
-    unwrap_model(model).load_state_dict(state["model"])
-    if not args.no_load_optim:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not args.no_load_rng:
-        set_rng_state(state["rng_state"])
-    return state["iteration"], state["consumed_samples"]
+    if not args.no_load_optim and state["snake"]["offload"] != args.snake_offload:
+        raise ValueError(
+            f"--load {root}: the optimizer state was saved "
+            f"{'with' if state['snake']['offload'] else 'without'} --snake-offload; load it "
+            "the same way, or pass --no-load-optim to take only the weights")
+    return state
 
 
 def _barrier():

@@ -19,7 +19,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron_snake.training import checkpointing, distributed, offload
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
-from megatron_snake.training.optimizer import build_optimizer
+from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.training.optimizer import build_optimizer, build_scheduler
 from megatron_snake.training.schedules import make_forward_backward
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron_snake.training.train_log import TrainLog
@@ -73,6 +74,32 @@ class Run:
     log: TrainLog
     forward_backward: Callable
     tensor_store: object | None = None
+    offloaded: offload.OffloadedState | None = None
+
+    def state_for_checkpoint(self) -> dict:
+        gpt = unwrap_model(self.model)
+        model_state = self.offloaded.weights.model_state_dict(gpt) if self.offloaded \
+            else gpt.state_dict()
+        return dict(model_state=model_state, optimizer_state=self.optimizer.state_dict(),
+                    scheduler_state=self.scheduler.state_dict())
+
+    def restore(self, state: dict) -> None:
+        gpt = unwrap_model(self.model)
+        if self.offloaded:
+            self.offloaded.weights.load_model_state_dict(gpt, state["model"])
+        else:
+            gpt.load_state_dict(state["model"])
+        if not self.args.no_load_optim:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if not self.args.no_load_rng:
+            checkpointing.set_rng_state(state["rng_state"])
+
+    def finish(self) -> None:
+        """Apply pending updates and stop the optimizer's worker."""
+        if self.offloaded:
+            self.optimizer.flush()
+            self.optimizer.close()
 
 
 def pretrain(args: argparse.Namespace) -> list[float]:
@@ -88,30 +115,17 @@ def pretrain(args: argparse.Namespace) -> list[float]:
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
+    log = TrainLog(args, vocab, device, rank=rank)
 
     gpt = build_gpt_model(args, vocab, device)
-    if args.bf16 or args.fp16:
-        gpt = Float16Module(gpt.config, gpt)
-    model = wrap_ddp(gpt)
-    optimizer, scheduler = build_optimizer(args, model)
-    config = gpt.config
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-
-    log = TrainLog(args, vocab, device, rank=rank)
+    n_params = sum(p.numel() for p in gpt.parameters())
     schedule = f"vertical (snake), checkpoint interval {args.snake_checkpoint_interval}" \
         if args.snake_offload else "megatron (forward_backward_no_pipelining)"
-    n_params = sum(p.numel() for p in gpt.parameters())
     log.print(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, "
               f"schedule {schedule}, {args.num_microbatches} micro-batches of "
               f"{args.micro_batch_size} x {args.seq_length} tokens per step")
-
-    iteration, consumed = 0, 0
-    if args.load:
-        iteration, consumed = checkpointing.load_checkpoint(
-            args.load, model=model, optimizer=optimizer, scheduler=scheduler, args=args)
-        log.print(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+    if args.bf16 or args.fp16:
+        gpt = Float16Module(gpt.config, gpt)
 
     train_ds, valid_ds, _ = build_gpt_datasets(
         mock=args.mock_data, data_path=args.data_path, split=args.split,
@@ -119,20 +133,43 @@ def pretrain(args: argparse.Namespace) -> list[float]:
         data_cache_path=args.data_cache_path,
         num_samples=num_samples_for(args.train_iters, args.global_batch_size,
                                     args.eval_interval, args.eval_iters))
-    train_iter = micro_batches(train_ds, micro_batch_size=args.micro_batch_size,
-                               data_parallel_rank=parallel_state.get_data_parallel_rank(),
-                               data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                               consumed_samples=consumed)
 
     with offload.open_store(args, device, rank) as tensor_store:
-        if tensor_store is not None:
-            log.print(f"> offloading unit checkpoints to {args.snake_activation_tier} under "
-                      f"{tensor_store.dir.path} "
-                      f"({offload.checkpoint_bytes_per_step(args) / 2**20:.1f} MiB per step, "
-                      f"I/O engine {tensor_store.engine.name})")
-        run = Run(args, device, model, optimizer, scheduler, log,
-                  make_forward_backward(args, tensor_store, device), tensor_store)
-        return train(run, train_iter, valid_ds, iteration, consumed)
+        if args.snake_offload:
+            state = offload.build_offloaded_state(args, unwrap_model(gpt), tensor_store, device)
+            log.print(state.summary(args))
+            log.print(f"> offload directory {tensor_store.dir.path}, I/O engine "
+                      f"{tensor_store.engine.name}")
+            model, optimizer = gpt, state.optimizer
+            scheduler = build_scheduler(args, optimizer)
+            forward_backward = make_forward_backward(args, tensor_store, device, state.weights)
+        else:
+            state = None
+            model = wrap_ddp(gpt)
+            optimizer, scheduler = build_optimizer(args, model)
+            config = unwrap_model(gpt).config
+            config.no_sync_func = model.no_sync
+            config.finalize_model_grads_func = finalize_model_grads
+            config.grad_scale_func = optimizer.scale_loss
+            forward_backward = make_forward_backward(args)
+        run = Run(args, device, model, optimizer, scheduler, log, forward_backward,
+                  tensor_store, state)
+
+        iteration, consumed = 0, 0
+        if args.load:
+            saved = checkpointing.load_checkpoint(args.load, args=args)
+            run.restore(saved)
+            iteration, consumed = saved["iteration"], saved["consumed_samples"]
+            log.print(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+        train_iter = micro_batches(
+            train_ds, micro_batch_size=args.micro_batch_size,
+            data_parallel_rank=parallel_state.get_data_parallel_rank(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            consumed_samples=consumed)
+        try:
+            return train(run, train_iter, valid_ds, iteration, consumed)
+        finally:
+            run.finish()
 
 
 def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list[float]:
@@ -142,7 +179,8 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
     history = []
     while iteration < args.train_iters:
         mbs = _next_microbatches(train_iter, args.num_microbatches, run.device)
-        model.zero_grad_buffer()
+        if hasattr(model, "zero_grad_buffer"):
+            model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = run.forward_backward(model, mbs)
         update_successful, grad_norm, _ = optimizer.step()
@@ -163,9 +201,8 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
         periodic = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (periodic or exiting or iteration == args.train_iters):
             checkpointing.save_checkpoint(args.save, iteration=iteration,
-                                          consumed_samples=consumed, model=model,
-                                          optimizer=optimizer, scheduler=run.scheduler,
-                                          args=args)
+                                          consumed_samples=consumed, args=args,
+                                          **run.state_for_checkpoint())
             run.log.print(f"> saved checkpoint at iteration {iteration} to {args.save}")
         if exiting:
             run.log.print(f"> exiting at iteration {iteration} "

@@ -7,10 +7,15 @@ import re
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
+from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.store import TensorStore
+from megatron_snake.offload.unit_weights import OffloadedUnits
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+from megatron_snake.optim.unit_params import UnitParams
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -35,18 +40,16 @@ def checkpoint_bytes_per_step(args) -> int:
 
 @contextmanager
 def open_store(args, device: torch.device, rank: int):
-    """The tensor store for ``--snake-activation-tier host|nvme`` (None for ``device``),
-    with the NVMe capacity for one step's checkpoints checked before the first step. Its
-    files, and a temporary directory made for it, are removed on exit."""
-    if not args.snake_offload or args.snake_activation_tier == "device":
+    """The run's tensor store under ``--snake-offload-dir`` (None without
+    ``--snake-offload``). Its files, and a temporary directory made for it, are removed on
+    exit."""
+    if not args.snake_offload:
         yield None
         return
     made = None if args.snake_offload_dir else tempfile.mkdtemp(prefix="megatron_snake_")
     try:
         with TensorStore(args.snake_offload_dir or made, rank=rank, device=device,
                          host_memory_limit=args.snake_host_memory_limit) as store:
-            if args.snake_activation_tier == "nvme":
-                store.check_capacity(checkpoint_bytes_per_step(args))
             yield store
     finally:
         if made is not None:
@@ -60,3 +63,48 @@ def traffic(store: TensorStore | None) -> str:
     c = store.counters
     return " | ".join(f"{tier} r/w {c.read[tier] / 2**20:.1f}/{c.written[tier] / 2**20:.1f} MiB"
                       for tier in ("nvme", "host") if c.read[tier] or c.written[tier])
+
+
+@dataclass
+class OffloadedState:
+    """The offloaded training state of one model: unit weights and gradients, and the
+    AdamW whose master weights and moments live in the store."""
+
+    weights: OffloadedUnits
+    optimizer: OffloadedAdamW
+
+    def summary(self, args) -> str:
+        weights = sum(lay.numel for lay in self.weights.params.units) * \
+            torch.tensor([], dtype=args.params_dtype).element_size()
+        optim = self.optimizer.state_bytes()
+        ckpt = checkpoint_bytes_per_step(args)
+        return (f"> offloaded state: weights {weights / 2**20:.1f} MiB on "
+                f"{args.snake_param_tier}, master weights + moments {optim / 2**20:.1f} MiB on "
+                f"{args.snake_optimizer_tier}, unit checkpoints {ckpt / 2**20:.1f} MiB per step "
+                f"on {args.snake_activation_tier}; per step about "
+                f"{(2 * weights + optim) / 2**20:.1f} MiB read and "
+                f"{(weights + optim) / 2**20:.1f} MiB written for weights and optimizer")
+
+
+def nvme_bytes(args, weights_bytes: int, optimizer_bytes: int) -> int:
+    """What the plan places on NVMe: checked against free space before the first step."""
+    total = checkpoint_bytes_per_step(args) if args.snake_activation_tier == "nvme" else 0
+    total += weights_bytes if args.snake_param_tier == "nvme" else 0
+    total += optimizer_bytes if args.snake_optimizer_tier == "nvme" else 0
+    return total
+
+
+def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
+    """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the drive has
+    room for all of it first)."""
+    params = UnitParams.of(GPTUnits(gpt, args.snake_checkpoint_interval))
+    numel = sum(lay.numel for lay in params.units)
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    store.check_capacity(nvme_bytes(args, numel * elem, 12 * (numel + params.shared.numel)))
+    optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
+                               beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                               clip_grad=args.clip_grad, alpha=args.snake_alpha,
+                               tier=args.snake_optimizer_tier)
+    weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
+                             tier=args.snake_param_tier)
+    return OffloadedState(weights, optimizer)

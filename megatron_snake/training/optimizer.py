@@ -37,11 +37,16 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 def build_optimizer(args: argparse.Namespace, model):
     """Megatron's optimizer (no weight decay on biases and norms) and its LR schedule."""
     optimizer = get_megatron_optimizer(optimizer_config(args), [model])
+    return optimizer, build_scheduler(args, optimizer)
+
+
+def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """Megatron's learning-rate and weight-decay schedule over ``optimizer.param_groups``."""
     warmup = args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * args.lr_decay_iters)
     gbs = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
@@ -56,4 +61,3 @@ def build_optimizer(args: argparse.Namespace, model):
         wsd_decay_steps=None,
         lr_wsd_decay_style=None,
     )
-    return optimizer, scheduler

@@ -14,6 +14,7 @@ from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipeli
 
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
 from megatron_snake.schedule.loss import masked_loss_sum
+from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import vertical_forward_backward
 
 StepFn = Callable[..., list]
@@ -43,22 +44,24 @@ def megatron_forward_backward(model, microbatches, *, forward_only: bool = False
     return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
 
 
-def make_forward_backward(args, tensor_store=None, device=None) -> StepFn:
-    """The step function the flags ask for. With a ``tensor_store``, unit checkpoints go to
-    ``--snake-activation-tier`` through it."""
+def make_forward_backward(args, tensor_store=None, device=None, weights=None) -> StepFn:
+    """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
+    to ``--snake-activation-tier`` through ``tensor_store`` and unit weights come from
+    ``weights`` (an OffloadedUnits), when given."""
     if not args.snake_offload:
         return megatron_forward_backward
 
     def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
-        store = None
-        if tensor_store is not None:
-            store = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
-                                         len(microbatches), device)
+        checkpoints = InMemoryStore()
+        if args.snake_activation_tier != "device":
+            checkpoints = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
+                                               len(microbatches), device)
+        store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore())
         losses = vertical_forward_backward(model, microbatches,
                                            checkpoint_interval=args.snake_checkpoint_interval,
                                            forward_only=forward_only, store=store)
-        if store is not None:
-            store.finish_step()
+        if isinstance(checkpoints, OffloadedCheckpoints):
+            checkpoints.finish_step()
         return losses
 
     return snake_forward_backward
