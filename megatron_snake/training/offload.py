@@ -78,12 +78,16 @@ class OffloadedState:
             torch.tensor([], dtype=args.params_dtype).element_size()
         optim = self.optimizer.state_bytes()
         ckpt = checkpoint_bytes_per_step(args)
+        grads = optim // 3  # fp32, one value per parameter
+        # Per step: weights read in both sweeps and written once by the update; the
+        # optimizer state and the fp32 gradient written and read once each.
         return (f"> offloaded state: weights {weights / 2**20:.1f} MiB on "
                 f"{args.snake_param_tier}, master weights + moments {optim / 2**20:.1f} MiB on "
                 f"{args.snake_optimizer_tier}, unit checkpoints {ckpt / 2**20:.1f} MiB per step "
                 f"on {args.snake_activation_tier}; per step about "
-                f"{(2 * weights + optim) / 2**20:.1f} MiB read and "
-                f"{(weights + optim) / 2**20:.1f} MiB written for weights and optimizer")
+                f"{(2 * weights + optim + grads) / 2**20:.1f} MiB read and "
+                f"{(weights + optim + grads) / 2**20:.1f} MiB written for weights, gradients "
+                f"and optimizer")
 
 
 def nvme_bytes(args, weights_bytes: int, optimizer_bytes: int) -> int:
