@@ -22,6 +22,7 @@ from megatron_snake.offload.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams, no_weight_decay
+from megatron_snake.schedule.horizontal import horizontal_forward_backward
 from megatron_snake.schedule.unit_store import CombinedStore
 
 LR, WD, STEPS, M = 5e-3, 0.1, 5, 3
@@ -52,7 +53,7 @@ def _reference(model, batches, clip):
     return losses
 
 
-def _snake(model, batches, clip, alpha, offload_dir, interval):
+def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical_forward_backward):
     units = GPTUnits(model, interval)
     params = UnitParams.of(units)
     with TensorStore(offload_dir, rank=0, host_memory_limit=256 << 20) as tstore:
@@ -62,16 +63,22 @@ def _snake(model, batches, clip, alpha, offload_dir, interval):
                                  dtype=torch.float32)
         sched = _scheduler(opt)
         losses, traffic = [], []
+        weight_reads, store_get = [0], tstore.get
+
+        def counting_get(key, *args, **kwargs):
+            weight_reads[0] += key[0] == "w"
+            return store_get(key, *args, **kwargs)
+
+        tstore.get = counting_get
         for mbs in batches:
             store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", len(mbs),
                                                        torch.device("cpu")), weights)
-            before = dict(tstore.counters.written)
-            losses.append(vertical_forward_backward(model, mbs, checkpoint_interval=interval,
-                                                    store=store))
+            before = weight_reads[0]
+            losses.append(schedule(model, mbs, checkpoint_interval=interval, store=store))
             store.checkpoints.finish_step()
             opt.step()
             sched.step(increment=1)
-            traffic.append(tstore.counters.written["nvme"] - before["nvme"])
+            traffic.append(weight_reads[0] - before)
         assert any(os.scandir(offload_dir / "rank0")), "state lives in rank0/ swap files"
         weights.load_all()
         opt.close()
@@ -125,3 +132,28 @@ def test_offloaded_adamw_tied_three_microbatches(megatron_world, tmp_path):
     for name, (ours, ref) in pairs.items():
         rel = ((ours - ref).norm() / ref.norm()).item()
         assert rel <= 1e-6, f"{name}: relative weight difference {rel:.2e}"
+
+
+def test_horizontal_ablation_same_numbers_more_weight_traffic(megatron_world, tmp_path):
+    """--snake-schedule horizontal over the same store: Megatron's micro-batch order sums
+    gradients in Megatron's order (untied: bit-identical weights), but reads every unit's
+    weights once per micro-batch instead of once per sweep."""
+    args = tiny_args("--untie-embeddings-and-output-weights")
+    batches = [make_microbatches(4, seed=s) for s in range(2)]
+    torch.use_deterministic_algorithms(True)
+    reference = build_model(args, megatron_world)
+    _reference(reference, batches, 0.0)
+    vertical, horizontal = build_model(args, megatron_world), build_model(args, megatron_world)
+    (tmp_path / "v").mkdir()
+    (tmp_path / "h").mkdir()
+    _, v_reads = _snake(vertical, batches, 0.0, 0.25, tmp_path / "v", 1)
+    _, h_reads = _snake(horizontal, batches, 0.0, 0.25, tmp_path / "h", 1,
+                        schedule=horizontal_forward_backward)
+    torch.use_deterministic_algorithms(False)
+    ref = dict(reference.named_parameters())
+    for name, p in horizontal.named_parameters():
+        assert torch.equal(p.detach(), ref[name].detach()), name
+    # Weight reads per step: (2U - 1) unit acquisitions x 2 parts, times M for horizontal.
+    units = 5
+    assert v_reads == [(2 * units - 1) * 2] * 2
+    assert h_reads == [4 * (2 * units - 1) * 2] * 2

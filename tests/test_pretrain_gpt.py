@@ -85,6 +85,9 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
     (["--snake-offload", "--fp16"], "--fp16"),
     (["--snake-alpha", "0.7"], "--snake-alpha"),
     (["--snake-param-tier", "device"], "--snake-param-tier"),
+    (["--snake-activation-offload", "--snake-offload"], "--snake-activation-offload"),
+    (["--snake-activation-offload", "--snake-activation-tier", "device"],
+     "--snake-activation-tier"),
 ])
 def test_bad_flags_fail_naming_the_flag(capsys, flags, flag_named):
     with pytest.raises(SystemExit) as exc:
@@ -128,3 +131,16 @@ def test_real_text_dataset_end_to_end(megatron_world, tmp_path):
     megatron = pretrain(parse_args(flags))
     assert snake[-1] < snake[0]
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(megatron, snake))
+
+
+def test_activation_offload_with_megatron_schedule_changes_no_number(megatron_world, tmp_path):
+    """--snake-activation-offload (SSDTrain on Megatron's own schedule): dropout on, same
+    seed, every loss bit-identical to the run without it."""
+    flags = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--hidden-size", "64",
+             "--seq-length", "64"]
+    plain = pretrain(parse_args(flags))
+    offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",
+                                     "--snake-activation-offload-min-bytes", "4096",
+                                     "--snake-offload-dir", str(tmp_path)]))
+    assert offloaded == plain
+    assert os.listdir(tmp_path) == [] or os.listdir(tmp_path / "rank0") == []

@@ -238,11 +238,13 @@ class TensorStore:
             dst = self._new_dest(e, device, dtype, out)
             # dst (or out) belongs to the caller's stream: our copy stream waits for it
             free = self._record_ready(dst)
-            if e.source is not None and not (e.source.is_cuda or dst.is_cuda):
+            # One read of e.source: the put's worker clears it without taking our lock.
+            source = e.source
+            if source is not None and not (source.is_cuda or dst.is_cuda):
                 # forwarding: the put is still writing; serve it from memory right now
-                return Handle(_Done(self._run_forward(e.source, None, None, dst, out, dtype)), self)
-            if e.source is not None:         # forwarding, CUDA: on the copy stream
-                fut = self._exec.submit(self._run_forward, e.source, e.ready, free, dst, out, dtype)
+                return Handle(_Done(self._run_forward(source, None, None, dst, out, dtype)), self)
+            if source is not None:           # forwarding, CUDA: on the copy stream
+                fut = self._exec.submit(self._run_forward, source, e.ready, free, dst, out, dtype)
             else:
                 fut = self._exec.submit(self._run_get, e, e.last, free, dst, out, dtype)
                 e.last = fut

@@ -31,7 +31,7 @@ from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
-def _check_microbatches(microbatches) -> None:
+def check_microbatches(microbatches) -> None:
     if not isinstance(microbatches, (list, tuple)) or not microbatches:
         raise ValueError("vertical_forward_backward: microbatches must be a non-empty list of dicts")
     for i, mb in enumerate(microbatches):
@@ -51,7 +51,7 @@ def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int =
     accumulates with pretrain_gpt's loss, and calls ``config.finalize_model_grads_func``
     when it is set, as Megatron's schedule does.
     """
-    _check_microbatches(microbatches)
+    check_microbatches(microbatches)
     units = GPTUnits(model, checkpoint_interval)
     store = InMemoryStore() if store is None else store
     config = units.config

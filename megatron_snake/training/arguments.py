@@ -11,7 +11,7 @@ import os
 
 import torch
 
-SNAKE_SCHEDULES = ("vertical",)
+SNAKE_SCHEDULES = ("vertical", "horizontal")
 SNAKE_TIERS = ("device", "host", "nvme")
 
 
@@ -122,12 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snake-checkpoint-interval", type=int, default=1,
                    help="layers per unit: the granularity of weight loading and recompute")
     g.add_argument("--snake-schedule", default="vertical",
-                   help=f"micro-batch order; one of {', '.join(SNAKE_SCHEDULES)}")
+                   help="micro-batch order over the store: vertical (unit-major, snake) or "
+                        "horizontal (Megatron's micro-batch-major order, weights fetched per "
+                        "micro-batch: for ablations)")
     g.add_argument("--snake-offload-dir", default=None,
                    help="existing directory for offloaded state (rank<N>/ is made below "
                         "it); default: a new temporary directory")
     g.add_argument("--snake-activation-tier", default="nvme", choices=SNAKE_TIERS,
                    help="where unit checkpoints live between the forward and backward sweeps")
+    g.add_argument("--snake-activation-offload", action="store_true",
+                   help="SSDTrain mode for Megatron's own schedule (without --snake-offload): "
+                        "tensors autograd saves go to --snake-activation-tier and come back "
+                        "for backward (deduplicated, prefetched)")
+    g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
+                   help="saved tensors smaller than this stay in memory")
     g.add_argument("--snake-param-tier", default="nvme", choices=SNAKE_TIERS[1:],
                    help="where unit working weights live between their uses")
     g.add_argument("--snake-optimizer-tier", default="nvme", choices=SNAKE_TIERS[1:],
@@ -182,6 +190,12 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         args.snake_host_memory_limit = parse_size(args.snake_host_memory_limit)
     except argparse.ArgumentTypeError as exc:
         _fail(parser, "--snake-host-memory-limit", str(exc))
+    if args.snake_activation_offload and args.snake_offload:
+        _fail(parser, "--snake-activation-offload", "applies to Megatron's schedule; with "
+              "--snake-offload unit checkpoints are offloaded by --snake-activation-tier")
+    if args.snake_activation_offload and args.snake_activation_tier == "device":
+        _fail(parser, "--snake-activation-tier", "use host or nvme with "
+              "--snake-activation-offload")
     if not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
     if args.snake_offload and args.fp16:

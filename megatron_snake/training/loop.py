@@ -151,7 +151,7 @@ def pretrain(args: argparse.Namespace) -> list[float]:
             config.no_sync_func = model.no_sync
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = optimizer.scale_loss
-            forward_backward = make_forward_backward(args)
+            forward_backward = make_forward_backward(args, tensor_store, device)
         run = Run(args, device, model, optimizer, scheduler, log, forward_backward,
                   tensor_store, state)
 

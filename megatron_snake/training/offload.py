@@ -41,9 +41,9 @@ def checkpoint_bytes_per_step(args) -> int:
 @contextmanager
 def open_store(args, device: torch.device, rank: int):
     """The run's tensor store under ``--snake-offload-dir`` (None without
-    ``--snake-offload``). Its files, and a temporary directory made for it, are removed on
+    ``--snake-offload`` or ``--snake-activation-offload``). Its files, and a temporary directory made for it, are removed on
     exit."""
-    if not args.snake_offload:
+    if not (args.snake_offload or args.snake_activation_offload):
         yield None
         return
     made = None if args.snake_offload_dir else tempfile.mkdtemp(prefix="megatron_snake_")

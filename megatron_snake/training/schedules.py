@@ -7,12 +7,16 @@ and a list of micro-batch dicts and return the per-micro-batch masked-mean losse
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.saved_tensors import (SavedTensorOffloader,
+                                                  megatron_activation_offload_forward_backward)
+from megatron_snake.schedule.horizontal import horizontal_forward_backward
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import vertical_forward_backward
@@ -48,8 +52,15 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
     """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
     to ``--snake-activation-tier`` through ``tensor_store`` and unit weights come from
     ``weights`` (an OffloadedUnits), when given."""
+    if args.snake_activation_offload:
+        offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
+                                         min_bytes=args.snake_activation_offload_min_bytes)
+        return functools.partial(megatron_activation_offload_forward_backward,
+                                 offloader=offloader)
     if not args.snake_offload:
         return megatron_forward_backward
+    schedule = horizontal_forward_backward if args.snake_schedule == "horizontal" \
+        else vertical_forward_backward
 
     def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
         checkpoints = InMemoryStore()
@@ -57,9 +68,8 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
             checkpoints = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
                                                len(microbatches), device)
         store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore())
-        losses = vertical_forward_backward(model, microbatches,
-                                           checkpoint_interval=args.snake_checkpoint_interval,
-                                           forward_only=forward_only, store=store)
+        losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
+                          forward_only=forward_only, store=store)
         if isinstance(checkpoints, OffloadedCheckpoints):
             checkpoints.finish_step()
         return losses
