@@ -88,15 +88,21 @@ class Counters:
     blocked_s: float = 0.0
     queue_depth: int = 0
     max_queue_depth: int = 0
+    # kind -> tier -> [bytes read, bytes written]: which state moved (weights, optim, ...)
+    by_kind: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self._lock = threading.Lock()
 
-    def add(self, tier, nread=0, nwritten=0, requests=0):
+    def add(self, tier, nread=0, nwritten=0, requests=0, kind=None):
         with self._lock:
             self.read[tier] += nread
             self.written[tier] += nwritten
             self.requests += requests
+            if kind is not None:
+                per_tier = self.by_kind.setdefault(kind, {t: [0, 0] for t in TIERS})[tier]
+                per_tier[0] += nread
+                per_tier[1] += nwritten
 
     def add_blocked(self, seconds):
         with self._lock:
@@ -468,7 +474,7 @@ class TensorStore:
             copy = torch.empty(e.shape, dtype=e.dtype, device=self.device)
             _bitcopy(copy, src)
         e.gpu = copy
-        self.counters.add("gpu", nwritten=e.nbytes)
+        self.counters.add("gpu", nwritten=e.nbytes, kind=e.kind)
 
     def _write_host(self, e, src_bytes):
         segs = self._segments(e.nbytes)
@@ -480,7 +486,7 @@ class TensorStore:
             self.pool.release(bufs, resident=True)
             raise
         e.host, e.host_sealed = bufs, False
-        self.counters.add("host", nwritten=e.nbytes)
+        self.counters.add("host", nwritten=e.nbytes, kind=e.kind)
 
     def _seal(self, e, buf, seg, n):
         crc = self.checksum(buf.addr + REC_HEADER_BYTES, n)
@@ -521,7 +527,7 @@ class TensorStore:
                 f.free(off, length)
             raise
         e.nvme = extents
-        self.counters.add("nvme", nwritten=e.nbytes, requests=len(segs))
+        self.counters.add("nvme", nwritten=e.nbytes, requests=len(segs), kind=e.kind)
 
     def _staging(self, pending):
         """A staging buffer; while none is free, finish this operation's oldest request
@@ -579,7 +585,7 @@ class TensorStore:
         finally:
             self.pool.release([buf])
         e.nvme, e.gds = [(off, length)], True
-        self.counters.add("nvme", nwritten=e.nbytes, requests=2)
+        self.counters.add("nvme", nwritten=e.nbytes, requests=2, kind=e.kind)
 
     def _read_nvme_gds(self, e, dst_bytes):
         from megatron_snake.offload.gds import HEADER_BLOCK, gpu_checksum
@@ -605,7 +611,7 @@ class TensorStore:
         if got != crc:
             raise IntegrityError(f"key {e.key!r}: record in {f.path} is corrupt: GPU checksum "
                                  f"mismatch (stored {crc:x}, computed {got:x})")
-        self.counters.add("nvme", nread=e.nbytes, requests=2)
+        self.counters.add("nvme", nread=e.nbytes, requests=2, kind=e.kind)
 
     # ---------------------------------------------------------------- readers
 
@@ -671,7 +677,7 @@ class TensorStore:
                     if buf is not None:
                         self.pool.release([buf])
             raise
-        self.counters.add("nvme", nread=e.nbytes, requests=len(segs))
+        self.counters.add("nvme", nread=e.nbytes, requests=len(segs), kind=e.kind)
 
     def _read_into(self, e, dst):
         """Fill the contiguous tensor dst (stored dtype/shape) from the fastest tier."""
@@ -686,13 +692,13 @@ class TensorStore:
                 ev.synchronize()
             else:
                 _bitcopy(dst, e.gpu)
-            self.counters.add("gpu", nread=e.nbytes)
+            self.counters.add("gpu", nread=e.nbytes, kind=e.kind)
             return
         dst_bytes = _as_bytes(dst)
         if e.host is not None:
             for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes)):
                 self._from_buffer(buf, dst_bytes, a, b)
-            self.counters.add("host", nread=e.nbytes)
+            self.counters.add("host", nread=e.nbytes, kind=e.kind)
             return
         if e.nvme is not None and e.gds:
             if dst.is_cuda:
@@ -785,7 +791,7 @@ class TensorStore:
                 dst = torch.empty(e.shape, dtype=e.dtype, device=self.device)
             self._read_into(e, dst)
             e.gpu = dst
-            self.counters.add("gpu", nwritten=e.nbytes)
+            self.counters.add("gpu", nwritten=e.nbytes, kind=e.kind)
             return
         # host
         if e.gpu is not None or e.gds:
@@ -804,7 +810,7 @@ class TensorStore:
             self.pool.release(bufs, resident=True)
             raise
         e.host, e.host_sealed = bufs, True
-        self.counters.add("host", nwritten=e.nbytes)
+        self.counters.add("host", nwritten=e.nbytes, kind=e.kind)
 
     def _run_evict(self, e, prev, tier, drop=True):
         self._wait_prev(prev)

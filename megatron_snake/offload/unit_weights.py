@@ -86,13 +86,20 @@ class OffloadedUnits:
                    if hi > lo]
         for handle in handles:
             handle.wait()
+        if self.tier == "nvme":  # drop the host copies a prefetch made: the pool is bounded
+            for part in PARTS:
+                if ("w", unit, part) in self.store:
+                    self.store.evict(("w", unit, part), tier="nvme")
         for seg, view in zip(lay.segments, lay.views(flat)):
             seg.param.data = view
         if for_backward:
             self._start_gradients(lay)
             if self.params.shared.segments:
                 self._start_gradients(self.params.shared)
-        if next_unit is not None and self.tier == "nvme":
+        # Prefetch the next unit, unless an update is about to replace its weights (the
+        # update's write is then read back, or served from memory while still in flight).
+        if next_unit is not None and self.tier == "nvme" and \
+                not self.optimizer.pending(self.params.units[next_unit].key):
             for part in PARTS:
                 if ("w", next_unit, part) in self.store:
                     self.store.prefetch(("w", next_unit, part), tier="host")

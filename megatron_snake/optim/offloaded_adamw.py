@@ -132,6 +132,12 @@ class OffloadedAdamW:
             if hyper is not None:
                 self._submit(key, part, hyper, clip_coef=self._clip_coef)
 
+    def pending(self, key) -> bool:
+        """Whether an update of ``key`` is deferred or running (its weights will change)."""
+        with self._lock:
+            running = any(k == key and not f.done() for (k, _), f in self._running.items())
+        return running or any(k == key for k, _ in self._deferred)
+
     def finish_update(self, key) -> None:
         """Block until every part of ``key`` is updated: call before reading its weights."""
         self.start_update(key)
