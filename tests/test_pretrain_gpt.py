@@ -144,3 +144,71 @@ def test_activation_offload_with_megatron_schedule_changes_no_number(megatron_wo
                                      "--snake-offload-dir", str(tmp_path)]))
     assert offloaded == plain
     assert os.listdir(tmp_path) == [] or os.listdir(tmp_path / "rank0") == []
+
+
+def test_sigkill_during_a_step_then_resume(tmp_path):
+    """Save at step 3, SIGKILL the run during step 5, --load: steps 4 to 6 print the
+    uninterrupted run's losses (offloaded state, dropout on)."""
+    import signal
+
+    common = [*SMALL, "--train-iters", "6", "--snake-offload", "--deterministic-mode",
+              "--device", "cpu"]
+    full = _run_script(*common)
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, SCRIPT, *common, "--save", str(ckpt),
+                             "--save-interval", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stdout:
+        if "iteration        4/" in line:  # step 5 is running now
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    resumed = _run_script(*common, "--load", str(ckpt))
+    assert resumed == full[3:]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, monkeypatch):
+    from megatron_snake.training import checkpointing
+
+    flags = [*SMALL, *NO_DROPOUT, "--train-iters", "4", "--snake-offload", "--save",
+             str(tmp_path), "--save-interval", "2"]
+    real_save, calls = checkpointing.torch.save, []
+
+    def crashing_save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk unplugged in the middle of the save")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", crashing_save)
+    with pytest.raises(OSError, match="disk unplugged"):
+        pretrain(parse_args(flags))
+    monkeypatch.setattr(checkpointing.torch, "save", real_save)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
+    state = checkpointing.load_checkpoint(str(tmp_path), args=parse_args(
+        [*flags, "--load", str(tmp_path)]))
+    assert state["iteration"] == 2
+    resumed = pretrain(parse_args([*flags, "--load", str(tmp_path), "--save-interval", "100"]))
+    assert len(resumed) == 2
+
+
+def test_offload_limits_fail_before_the_first_step(megatron_world, tmp_path, monkeypatch):
+    """A device limit below one unit's working set, and a drive too small for the plan:
+    one clear error each, naming the flag and the minimum, before any step runs."""
+    from megatron_snake.offload import directory
+    from megatron_snake.offload.errors import CapacityError
+
+    flags = [*SMALL, "--train-iters", "3", "--snake-offload", "--snake-offload-dir",
+             str(tmp_path)]
+    with pytest.raises(ValueError, match=r"--snake-gpu-memory-limit 0.1 MiB .* the minimum is "
+                                         r"\d+ bytes"):
+        pretrain(parse_args([*flags, "--snake-gpu-memory-limit", "100KiB"]))
+    pretrain(parse_args([*flags, "--snake-gpu-memory-limit", "64MiB"]))  # enough
+
+    monkeypatch.setattr(directory, "disk_free_bytes", lambda path: 1 << 20)
+    with pytest.raises(CapacityError, match="--snake-offload-dir .* needs"):
+        pretrain(parse_args(flags))
+    assert not os.path.exists(tmp_path / "rank0"), "nothing left behind"

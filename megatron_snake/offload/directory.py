@@ -45,12 +45,13 @@ class RankDir:
     free_space_probe(path) -> bytes and write_probe(path) are injectable for tests.
     """
 
-    def __init__(self, offload_dir, rank, run_id, free_space_probe=disk_free_bytes,
+    def __init__(self, offload_dir, rank, run_id, free_space_probe=None,
                  write_probe=probe_writable):
         self.root = os.path.abspath(os.fspath(offload_dir))
         self.rank = rank
         self.path = os.path.join(self.root, f"rank{rank}")
-        self.free_space_probe = free_space_probe
+        # Looked up at call time, so a test can stand in for the file system's free space.
+        self.free_space_probe = free_space_probe or (lambda path: disk_free_bytes(path))
         self.stale = []        # [(path, header dict or None, size)] found and removed at open
         self._lock_fd = -1
         flag = "--snake-offload-dir"

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of each unit's optimizer update deferred from the backward "
                         "sweep to the next forward sweep (0 to 0.5); with --clip-grad the "
                         "whole update waits for the global norm and runs in the forward sweep")
+    g.add_argument("--snake-gpu-memory-limit", default=None,
+                   help="compute-device memory the offloaded run may use (e.g. 40GiB); checked "
+                        "at start against the largest unit's working set (default: no check)")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
     return p
@@ -186,10 +189,13 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"choose one of {', '.join(SNAKE_SCHEDULES)}")
     from megatron_snake.training.offload import parse_size
 
-    try:
-        args.snake_host_memory_limit = parse_size(args.snake_host_memory_limit)
-    except argparse.ArgumentTypeError as exc:
-        _fail(parser, "--snake-host-memory-limit", str(exc))
+    for flag in ("--snake-host-memory-limit", "--snake-gpu-memory-limit"):
+        attr = flag[2:].replace("-", "_")
+        if getattr(args, attr) is not None:
+            try:
+                setattr(args, attr, parse_size(getattr(args, attr)))
+            except argparse.ArgumentTypeError as exc:
+                _fail(parser, flag, str(exc))
     if args.snake_activation_offload and args.snake_offload:
         _fail(parser, "--snake-activation-offload", "applies to Megatron's schedule; with "
               "--snake-offload unit checkpoints are offloaded by --snake-activation-tier")

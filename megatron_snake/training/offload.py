@@ -98,10 +98,30 @@ def nvme_bytes(args, weights_bytes: int, optimizer_bytes: int) -> int:
     return total
 
 
+def unit_working_set_bytes(args, params: UnitParams) -> tuple[int, int]:
+    """(bytes, unit) of the largest device working set of one unit: its weights and fp32
+    gradient, the shared (tied) weights and their fp32 gradient, and one micro-batch's
+    input and output checkpoint. Activations inside the unit come on top."""
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    checkpoint = args.seq_length * args.micro_batch_size * args.hidden_size * elem
+    shared = params.shared.numel * (elem + 4)
+    sizes = [lay.numel * (elem + 4) + shared + 2 * checkpoint for lay in params.units]
+    unit = max(range(len(sizes)), key=sizes.__getitem__)
+    return sizes[unit], unit
+
+
 def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
-    """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the drive has
-    room for all of it first)."""
+    """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
+    limit and that the drive has room for all of it first)."""
     params = UnitParams.of(GPTUnits(gpt, args.snake_checkpoint_interval))
+    if args.snake_gpu_memory_limit is not None:
+        need, unit = unit_working_set_bytes(args, params)
+        if args.snake_gpu_memory_limit < need:
+            raise ValueError(
+                f"--snake-gpu-memory-limit {args.snake_gpu_memory_limit / 2**20:.1f} MiB is below "
+                f"the working set of unit {unit} ({need / 2**20:.1f} MiB: its weights and fp32 "
+                "gradient, the tied weights, one micro-batch's checkpoints); the minimum is "
+                f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval.")
     numel = sum(lay.numel for lay in params.units)
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     store.check_capacity(nvme_bytes(args, numel * elem, 12 * (numel + params.shared.numel)))
