@@ -1,0 +1,169 @@
+"""Step time and bytes moved per step: vertical vs horizontal over the same offloaded store,
+for M = 1..16 micro-batches; and the CPU AdamW rate against a memory-bandwidth bound.
+
+Both schedules train the same GPT with weights, gradients and AdamW states on the NVMe
+tier (``OffloadedUnits`` + ``OffloadedAdamW``), in this process, alternating. Bytes are the
+store's own counters (per kind of state), not estimates. The AdamW bound: a fused AdamW
+step updates param, exp_avg and exp_avg_sq in place and reads grad (7 x 4 bytes per fp32
+parameter); the bound is the in-place streaming bandwidth measured here (``x.mul_(c)``:
+bytes read + written per second, the same access pattern) / 28. Prints the ratios last;
+raw figures go to ``--json-out``.
+
+    python tools/bench_step.py --dir /nvme/scratch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+
+import torch  # noqa: E402
+
+from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
+from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints  # noqa: E402
+from megatron_snake.offload.store import TensorStore  # noqa: E402
+from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
+from megatron_snake.optim.unit_params import UnitParams  # noqa: E402
+from megatron_snake.schedule.horizontal import horizontal_forward_backward  # noqa: E402
+from megatron_snake.schedule.unit_store import CombinedStore  # noqa: E402
+from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
+from megatron_snake.training import distributed  # noqa: E402
+from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.model import build_gpt_model  # noqa: E402
+
+SCHEDULES = {"vertical": vertical_forward_backward, "horizontal": horizontal_forward_backward}
+
+
+def _microbatches(num, batch, seq, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
+    out = []
+    for _ in range(num):
+        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        out.append(dict(tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(batch, seq),
+                        attention_mask=causal[None, None].expand(batch, 1, seq, seq),
+                        position_ids=torch.arange(seq)[None].expand(batch, seq)))
+    return out
+
+
+def bench_schedule(name, num_mb, a, store_dir, device):
+    args = parse_args(["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+                       "--num-attention-heads", "8", "--seq-length", str(a.seq),
+                       "--hidden-dropout", "0", "--attention-dropout", "0",
+                       "--untie-embeddings-and-output-weights"])
+    vocab = 1024
+    model = build_gpt_model(args, vocab, device)
+    params = UnitParams.of(GPTUnits(model, 1))
+    times, moved = [], []
+    with TensorStore(store_dir, rank=0, host_memory_limit=1 << 30, device=device) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-4, weight_decay=0.01, alpha=a.alpha)
+        weights = OffloadedUnits(params, tstore, opt, device=device, dtype=torch.float32)
+        for step in range(a.warmup + a.steps):
+            batches = _microbatches(num_mb, a.micro_batch_size, a.seq, vocab, step)
+            before = {k: [list(v) for v in t.values()]
+                      for k, t in tstore.counters.by_kind.items()}
+            start = time.perf_counter()
+            store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", num_mb, device), weights)
+            SCHEDULES[name](model, batches, checkpoint_interval=1, store=store)
+            store.checkpoints.finish_step()
+            opt.step()
+            tstore.synchronize()
+            elapsed = time.perf_counter() - start
+            if step >= a.warmup:
+                times.append(elapsed)
+                delta = {}
+                for kind, tiers in tstore.counters.by_kind.items():
+                    old = before.get(kind, [[0, 0]] * len(tiers))
+                    nvme = list(tiers)  # tier order: gpu, host, nvme
+                    delta[kind] = {"nvme_read": tiers["nvme"][0] - old[nvme.index("nvme")][0],
+                                   "nvme_written": tiers["nvme"][1] - old[nvme.index("nvme")][1]}
+                moved.append(delta)
+        opt.close()
+    return {"schedule": name, "micro_batches": num_mb, "step_s": statistics.median(times),
+            "bytes": moved[-1]}
+
+
+def bench_adamw(numel: int, repeats: int = 5):
+    """Fused CPU AdamW parameters/s vs in-place streaming bandwidth / 28 bytes per
+    parameter."""
+    p, g, m, v = (torch.randn(numel) for _ in range(4))
+    v.abs_()
+    scratch = torch.randn(numel)
+    stream = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        scratch.mul_(1.0000001)
+        stream.append(time.perf_counter() - start)
+    copy_bw = 2 * 4 * numel / min(stream)  # bytes read + written per second, in place
+    step = torch.tensor(1.0)
+    adam = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        adam.append(time.perf_counter() - start)
+    rate = numel / min(adam)
+    bound = copy_bw / 28
+    return {"numel": numel, "threads": torch.get_num_threads(), "inplace_GBps": copy_bw / 1e9,
+            "adamw_params_per_s": rate, "bound_params_per_s": bound, "ratio": rate / bound}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=None, help="offload directory (default: a temp dir)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--micro-batches", default="1,2,4,8,16")
+    p.add_argument("--alpha", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--adamw-numel", type=int, default=64 << 20)
+    p.add_argument("--json-out", default="bench_step.json")
+    a = p.parse_args(argv)
+    device = distributed.resolve_device("auto")
+    distributed.initialize(device=device, seed=1234)
+    root = a.dir or tempfile.mkdtemp(prefix="bench_step_")
+    results = []
+    for num_mb in [int(x) for x in a.micro_batches.split(",")]:
+        for name in SCHEDULES:
+            sub = os.path.join(root, f"{name}{num_mb}")
+            os.makedirs(sub, exist_ok=True)
+            r = bench_schedule(name, num_mb, a, sub, device)
+            results.append(r)
+            w = r["bytes"].get("weights", {})
+            print(f"{name:10s} M {num_mb:3d}: step {r['step_s'] * 1e3:8.1f} ms | weights from "
+                  f"NVMe {w.get('nvme_read', 0) / 2**20:8.2f} MiB | all NVMe r/w "
+                  f"{sum(k['nvme_read'] for k in r['bytes'].values()) / 2**20:8.2f}/"
+                  f"{sum(k['nvme_written'] for k in r['bytes'].values()) / 2**20:8.2f} MiB",
+                  flush=True)
+    adamw = bench_adamw(a.adamw_numel)
+    print(f"CPU AdamW: {adamw['adamw_params_per_s'] / 1e6:.1f} M params/s, in-place stream "
+          f"{adamw['inplace_GBps']:.2f} GB/s -> bound {adamw['bound_params_per_s'] / 1e6:.1f} M "
+          f"params/s ({adamw['threads']} threads)")
+    largest = max(r["micro_batches"] for r in results)
+    v = next(r for r in results if r["schedule"] == "vertical" and r["micro_batches"] == largest)
+    h = next(r for r in results if r["schedule"] == "horizontal" and r["micro_batches"] == largest)
+    ratio = v["step_s"] / h["step_s"]
+    with open(a.json_out, "w") as f:
+        json.dump({"device": str(device), "args": vars(a), "steps": results, "adamw": adamw,
+                   "ratio_vertical_over_horizontal": ratio}, f, indent=1)
+    distributed.shutdown()
+    print(f"ratio vertical/horizontal step time at M={largest}: {ratio:.3f} | "
+          f"ratio AdamW rate / memory bound: {adamw['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
