@@ -667,15 +667,7 @@ class TensorStore:
             while pending:
                 finish(pending.pop(0))
         except BaseException:
-            for req, buf, *_ in pending:
-                try:
-                    req.wait()
-                except OffloadIOError:
-                    pass
-                finally:
-                    self.counters.inflight(-1)
-                    if buf is not None:
-                        self.pool.release([buf])
+            self._drain([(req, buf) for req, buf, *_ in pending])
             raise
         self.counters.add("nvme", nread=e.nbytes, requests=len(segs), kind=e.kind)
 
