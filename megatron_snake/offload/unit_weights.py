@@ -27,14 +27,15 @@ class OffloadedUnits:
         weights here."""
         self.params, self.store, self.device = unit_params, store, device
         self.dtype, self.alpha, self.tier = dtype, optimizer.alpha, tier
+        self.dp = optimizer.dp
         self.optimizer = optimizer
         optimizer.on_weights = self.publish
-        alpha = optimizer.alpha
         self._grad_views: dict[int, torch.Tensor] = {}
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
+        self._shared_stale = False    # an update of the shared weights is not in place yet
         for lay in unit_params.units:
             flat = lay.gather(dtype=dtype)
-            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, alpha)):
+            for part, (lo, hi) in self._parts(lay):
                 store.put(("w", lay.key, part), flat[lo:hi], tier=tier, kind="weights")
             self._release_weights(lay)
         for lay in unit_params.all_layouts():
@@ -60,32 +61,46 @@ class OffloadedUnits:
         for seg in lay.segments:
             seg.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
+    def _parts(self, lay):
+        """(part, (lo, hi)) of this rank's records of a layout, skipping empty parts."""
+        bounds = part_bounds(lay.numel, self.alpha, self.dp)
+        return [(part, (lo, hi)) for part, (lo, hi) in zip(PARTS, bounds) if hi > lo]
+
+    def _read_flat(self, lay, device=None) -> torch.Tensor:
+        """The layout's whole flat of working weights: this rank's records, all-gathered."""
+        start, end, _ = self.dp.shard(lay.numel)
+        local = torch.empty(end - start, dtype=self.dtype, device=device or self.device)
+        handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start])
+                   for part, (lo, hi) in self._parts(lay)]
+        for handle in handles:
+            handle.wait()
+        return self.dp.all_gather(local, lay.numel)
+
     def publish(self, key, part: str, master: torch.Tensor) -> None:
-        """The optimizer's callback: new working weights for one part of a layout."""
-        if key == SHARED:
-            lay = self.params.shared
-            lo, hi = part_bounds(lay.numel, self.alpha)[PARTS.index(part)]
-            for seg, piece in lay.pieces(lo, hi):
-                flat_param = seg.param.data.view(-1)
-                src = master[piece.start - lo:piece.stop - lo]
-                flat_param[piece.start - seg.offset:piece.stop - seg.offset].copy_(src)
-            return
+        """The optimizer's callback (on its worker): new working weights for one part."""
         self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier, kind="weights")
+        if key == SHARED:
+            self._shared_stale = True
+
+    def _refresh_shared(self) -> None:
+        """Copy updated shared weights into their resident parameters (a collective when
+        data parallel: every rank does it at the same point of the schedule)."""
+        flat = self._read_flat(self.params.shared)
+        for seg, view in zip(self.params.shared.segments, self.params.shared.views(flat)):
+            seg.param.data.copy_(view)
+        self._shared_stale = False
 
     def acquire_unit(self, unit, *, next_unit, for_backward):
         owned = self.params.layouts_owned_by(unit)
         for lay in owned:
             self.optimizer.finish_update(lay.key)
+        if self.params.shared_owner == unit and self._shared_stale:
+            self._refresh_shared()
         if next_unit is not None and not for_backward:
             for lay in self.params.layouts_owned_by(next_unit):
                 self.optimizer.start_update(lay.key)  # runs while this unit computes
         lay = self.params.units[unit]
-        flat = torch.empty(lay.numel, dtype=self.dtype, device=self.device)
-        handles = [self.store.get(("w", unit, part), out=flat[lo:hi])
-                   for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha))
-                   if hi > lo]
-        for handle in handles:
-            handle.wait()
+        flat = self._read_flat(lay)
         if self.tier == "nvme":  # drop the host copies a prefetch made: the pool is bounded
             for part in PARTS:
                 if ("w", unit, part) in self.store:
@@ -113,21 +128,17 @@ class OffloadedUnits:
         self._release_weights(self.params.units[unit])
 
     # --- checkpoints -------------------------------------------------------------------
-    def _read_flat(self, lay) -> torch.Tensor:
-        flat = torch.empty(lay.numel, dtype=self.dtype)
-        for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
-            if hi > lo:
-                self.store.get(("w", lay.key, part), out=flat[lo:hi]).wait()
-        return flat
-
     def model_state_dict(self, module: torch.nn.Module) -> dict:
         """``module.state_dict()`` with every offloaded parameter read back from the store,
         one unit at a time, on the CPU (the model never has to fit on the device)."""
         self.optimizer.flush()
+        if self._shared_stale:
+            self._refresh_shared()
         state = module.state_dict()
         name_of = {id(p): n for n, p in module.named_parameters()}
         for lay in self.params.units:
-            for seg, view in zip(lay.segments, lay.views(self._read_flat(lay))):
+            flat = self._read_flat(lay, device="cpu")
+            for seg, view in zip(lay.segments, lay.views(flat)):
                 state[name_of[id(seg.param)]] = view.clone()
         return state
 
@@ -142,7 +153,7 @@ class OffloadedUnits:
             if not names:
                 continue
             flat = torch.cat([state[n].reshape(-1).to(self.dtype) for n in names])
-            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
+            for part, (lo, hi) in self._parts(lay):
                 self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier,
                                kind="weights")
         rest = {k: v for k, v in state.items() if k not in offloaded}
@@ -157,10 +168,9 @@ class OffloadedUnits:
         """Every pending update applied and every unit's weights back in its parameters
         (for evaluation outside the schedule, a checkpoint, or the end of training)."""
         self.optimizer.flush()
+        if self._shared_stale:
+            self._refresh_shared()
         for lay in self.params.units:
-            flat = torch.empty(lay.numel, dtype=self.dtype, device=self.device)
-            for part, (lo, hi) in zip(PARTS, part_bounds(lay.numel, self.alpha)):
-                if hi > lo:
-                    self.store.get(("w", lay.key, part), out=flat[lo:hi]).wait()
+            flat = self._read_flat(lay)
             for seg, view in zip(lay.segments, lay.views(flat)):
                 seg.param.data = view

@@ -24,16 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
-def part_bounds(numel: int, alpha: float):
-    """Element ranges of the backward part and the forward part of a flat buffer."""
-    split = int(round((1.0 - alpha) * numel))
-    return (0, split), (split, numel)
+def part_bounds(numel: int, alpha: float, dp: DataParallel = DataParallel()):
+    """Element ranges (of the whole flat) of this rank's backward part and forward part."""
+    start, end, _ = dp.shard(numel)
+    split = start + int(round((1.0 - alpha) * (end - start)))
+    return (start, split), (split, end)
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,13 @@ class OffloadedAdamW:
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
-                 on_weights=None):
+                 on_weights=None, dp: DataParallel = DataParallel()):
         if not 0.0 <= alpha <= 0.5:
             raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-        self.clip_grad, self.alpha = clip_grad, alpha
+        self.clip_grad, self.alpha, self.dp = clip_grad, alpha, dp
         # Called with (layout key, part, new working values) after each part's update.
         self.on_weights = on_weights
         # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
@@ -71,7 +73,7 @@ class OffloadedAdamW:
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
         for key, lay in self.layouts.items():
-            master = lay.gather(device="cpu", dtype=torch.float32)
+            master = lay.gather(device="cpu", dtype=torch.float32)  # the full flat
             for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
                 self.store.put(("master", key, part), master[lo:hi], tier=tier, kind="optim")
                 zeros = torch.zeros(hi - lo, dtype=torch.float32)
@@ -81,26 +83,34 @@ class OffloadedAdamW:
 
     # --- layout ----------------------------------------------------------------------
     def _bounds(self, lay: FlatLayout):
-        return part_bounds(lay.numel, self.alpha)
+        return part_bounds(lay.numel, self.alpha, self.dp)
 
     def state_bytes(self) -> int:
-        return sum(3 * 4 * lay.numel for lay in self.layouts.values())
+        """Bytes of master weights and moments this rank holds."""
+        return sum(3 * 4 * (hi - lo) for lay in self.layouts.values()
+                   for lo, hi in self._bounds(lay))
 
     # --- backward sweep ----------------------------------------------------------------
     def gradient_ready(self, key, grad: torch.Tensor) -> None:
-        """``grad`` (flat, fp32, any device) is the final gradient of layout ``key`` for
-        this step. Runs the backward part now unless clipping needs the global norm."""
+        """``grad`` (the whole flat, fp32, any device) is this rank's final gradient of
+        layout ``key`` for this step: averaged over data-parallel ranks here (a collective:
+        every rank calls this in the same order). Runs the backward part now unless
+        clipping needs the global norm."""
         if self._hyper is None:
             self._hyper = StepHyper(self.iteration + 1, self.param_groups[0]["lr"],
                                     self.param_groups[0]["weight_decay"])
-        grad = grad.detach().to("cpu", torch.float32, copy=True)
         lay = self.layouts[key]
-        for seg in lay.segments:
-            self._norms[seg.index] = torch.linalg.vector_norm(grad[seg.offset:seg.offset + seg.numel])
+        start, end, _ = self.dp.shard(lay.numel)
+        shard = self.dp.reduce_scatter_mean(grad.detach().float())
+        shard = shard.to("cpu", torch.float32, copy=True)
+        for seg, piece in lay.pieces(start, end):
+            self._norms[seg.index] = torch.linalg.vector_norm(
+                shard[piece.start - start:piece.stop - start])
         for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
             if hi == lo:
                 continue
-            self.store.put(("grad", key, part), grad[lo:hi], tier=self.tier, kind="grad")
+            self.store.put(("grad", key, part), shard[lo - start:hi - start], tier=self.tier,
+                           kind="grad")
             if part == "bwd" and not self.clip_grad:
                 self._submit(key, part, self._hyper)
             else:
@@ -113,7 +123,11 @@ class OffloadedAdamW:
         # The 2-norm of the per-parameter norms, in parameter order, in fp32: the same
         # arithmetic as torch.nn.utils.clip_grad_norm_ (and Megatron's formula).
         norms = [self._norms[i] for i in sorted(self._norms)]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros([])
+        if self.dp.size == 1:
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros([])
+        else:  # squares of this rank's shard norms, summed over ranks (Megatron's way)
+            squares = torch.stack(norms).square().sum() if norms else torch.zeros([])
+            total = self.dp.sum(squares.reshape(1)).sqrt()[0]
         self._clip_coef = None
         if self.clip_grad:
             self._clip_coef = torch.clamp(self.clip_grad / (total + 1.0e-6), max=1.0)
@@ -153,8 +167,9 @@ class OffloadedAdamW:
             self.finish_update(key)
 
     def state_dict(self) -> dict:
-        """Every layout's master weights and moments (read back from their tier), the step
-        count and the hyper-parameters: what a checkpoint needs to resume exactly."""
+        """This rank's shard of every layout's master weights and moments (read back from
+        their tier), the step count and the hyper-parameters: what a checkpoint needs to
+        resume exactly."""
         self.flush()
         state = {"iteration": self.iteration, "alpha": self.alpha,
                  "param_groups": [dict(g) for g in self.param_groups], "layouts": {}}
@@ -175,11 +190,12 @@ class OffloadedAdamW:
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         for key, lay in self.layouts.items():
+            start = self.dp.shard(lay.numel)[0]
             for name in STATES:
-                flat = state["layouts"][key][name]
+                shard = state["layouts"][key][name]  # this rank's shard
                 for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
-                    self.store.put((name, key, part), flat[lo:hi].contiguous(), tier=self.tier,
-                                   kind="optim")
+                    self.store.put((name, key, part), shard[lo - start:hi - start].contiguous(),
+                                   tier=self.tier, kind="optim")
         self.store.synchronize()
 
     def get_loss_scale(self) -> torch.Tensor:

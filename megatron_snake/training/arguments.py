@@ -207,9 +207,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.snake_offload and args.fp16:
         _fail(parser, "--fp16", "fp16 loss scaling with --snake-offload is not supported yet; "
               "use --bf16")
-    if args.snake_offload and args.data_parallel_size > 1:
-        _fail(parser, "--snake-offload", f"data parallelism (world size {world}) with the "
-              "offloaded optimizer is not supported yet; run one rank per model replica")
     if args.snake_offload and args.pipeline_model_parallel_size > 1:
         _fail(parser, "--pipeline-model-parallel-size",
               "pipeline parallelism with --snake-offload is not supported yet; use 1")

@@ -29,12 +29,17 @@ MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "bf16", "fp16")
 
 
-def _rank_dir_name() -> str:
+def _rank_dir_name(sharded: bool) -> str:
+    """Megatron-LM's per-model-parallel-rank name; with an optimizer sharded over
+    data-parallel ranks (--snake-offload), one per data-parallel rank too."""
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}"
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        return f"mp_rank_{tp:02d}_{pp:03d}"
-    return f"mp_rank_{tp:02d}"
+        name += f"_{pp:03d}"
+    if sharded and parallel_state.get_data_parallel_world_size() > 1:
+        name += f"_dp{parallel_state.get_data_parallel_rank():03d}"
+    return name
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -66,7 +71,8 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = parallel_state.get_data_parallel_rank() == 0
+    sharded = args.snake_offload  # each data-parallel rank holds its own optimizer shard
+    writer = sharded or parallel_state.get_data_parallel_rank() == 0
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this iteration
@@ -87,7 +93,7 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
             "opt_param_scheduler": scheduler_state,
             "rng_state": rng_state(),
         }
-        path = os.path.join(tmp, _rank_dir_name(), "model_optim_rng.pt")
+        path = os.path.join(tmp, _rank_dir_name(sharded), "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(state, path + ".part")
         with open(path + ".part", "rb") as f:
@@ -117,7 +123,8 @@ def load_checkpoint(root: str, *, args) -> dict:
             f"--load {root}: no {TRACKER} in it; is this a --save directory of megatron_snake?")
     with open(tracker) as f:
         iteration = int(f.read().strip())
-    path = os.path.join(_iter_dir(root, iteration), _rank_dir_name(), "model_optim_rng.pt")
+    path = os.path.join(_iter_dir(root, iteration), _rank_dir_name(args.snake_offload),
+                        "model_optim_rng.pt")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--load {root}: checkpoint file {path} is missing")
     state = torch.load(path, map_location="cpu", weights_only=False)

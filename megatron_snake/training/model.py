@@ -80,9 +80,10 @@ def build_gpt_model(args: argparse.Namespace, vocab_size: int, device: torch.dev
     return model.to(device)
 
 
-def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
+def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True,
+             use_distributed_optimizer: bool = False) -> DistributedDataParallel:
     """Megatron's DDP: gradients accumulate in ``param.main_grad`` buffers."""
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+                                               use_distributed_optimizer=use_distributed_optimizer)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

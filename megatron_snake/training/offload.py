@@ -14,6 +14,7 @@ import torch
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
+from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
 
@@ -74,7 +75,9 @@ class OffloadedState:
     optimizer: OffloadedAdamW
 
     def summary(self, args) -> str:
-        weights = sum(lay.numel for lay in self.weights.params.units) * \
+        """Bytes this rank holds per tier and moves per step."""
+        weights = sum(hi - lo for lay in self.weights.params.units
+                      for _, (lo, hi) in self.weights._parts(lay)) * \
             torch.tensor([], dtype=args.params_dtype).element_size()
         optim = self.optimizer.state_bytes()
         ckpt = checkpoint_bytes_per_step(args)
@@ -122,13 +125,14 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
                 f"the working set of unit {unit} ({need / 2**20:.1f} MiB: its weights and fp32 "
                 "gradient, the tied weights, one micro-batch's checkpoints); the minimum is "
                 f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval.")
-    numel = sum(lay.numel for lay in params.units)
+    dp_size = DataParallel.from_megatron().size
+    numel = -(-sum(lay.numel for lay in params.all_layouts()) // dp_size)  # this rank's share
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    store.check_capacity(nvme_bytes(args, numel * elem, 12 * (numel + params.shared.numel)))
+    store.check_capacity(nvme_bytes(args, numel * elem, 12 * numel))
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
-                               tier=args.snake_optimizer_tier)
+                               tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron())
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=args.snake_param_tier)
     return OffloadedState(weights, optimizer)
