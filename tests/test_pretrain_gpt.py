@@ -82,7 +82,6 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
     (["--snake-offlaod"], "--snake-offlaod"),
     (["--lr-warmup-iters", "20", "--train-iters", "20"], "--lr-warmup-iters"),
-    (["--snake-offload", "--fp16"], "--fp16"),
     (["--snake-alpha", "0.7"], "--snake-alpha"),
     (["--snake-param-tier", "device"], "--snake-param-tier"),
     (["--snake-activation-offload", "--snake-offload"], "--snake-activation-offload"),
@@ -98,15 +97,19 @@ def test_bad_flags_fail_naming_the_flag(capsys, flags, flag_named):
     assert err.count("error:") == 1
 
 
-def test_bf16_snake_matches_megatron(megatron_world):
-    """bf16 working weights (Float16Module), fp32 gradient accumulation and fp32 master
-    weights on both sides (Megatron's DDP main_grad and mixed-precision optimizer; the
-    offloaded AdamW here): per-micro-batch arithmetic is the same, only gradient sums are
-    reordered, so the losses agree within bf16 rounding."""
-    flags = [*SMALL, *NO_DROPOUT, "--train-iters", "6", "--deterministic-mode", "--bf16"]
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_half_precision_snake_matches_megatron(megatron_world, precision):
+    """bf16 / fp16 working weights (Float16Module), fp32 gradient accumulation and fp32
+    master weights on both sides (Megatron's DDP main_grad and mixed-precision optimizer;
+    the offloaded AdamW here), fp16 with Megatron's dynamic loss scaler: per-micro-batch
+    arithmetic is the same, only gradient sums are reordered, so the losses agree within
+    half-precision rounding, and fp16 skips the same overflowing steps."""
+    flags = [*SMALL, *NO_DROPOUT, "--train-iters", "6", "--deterministic-mode", precision,
+             "--initial-loss-scale", "1024"]
     megatron = pretrain(parse_args(flags))
     snake = pretrain(parse_args([*flags, "--snake-offload"]))
     assert megatron[0] == snake[0], "first step: same weights, same per-micro-batch arithmetic"
+    assert snake[-1] < snake[0] - 0.1, "the steps were taken, not skipped"
     for a, b in zip(megatron, snake):
         assert abs(a - b) <= 2e-3 * abs(a), (megatron, snake)
 
@@ -212,3 +215,12 @@ def test_offload_limits_fail_before_the_first_step(megatron_world, tmp_path, mon
     with pytest.raises(CapacityError, match="--snake-offload-dir .* needs"):
         pretrain(parse_args(flags))
     assert not os.path.exists(tmp_path / "rank0"), "nothing left behind"
+
+
+def test_fp16_overflow_skips_the_same_steps(megatron_world):
+    """An initial loss scale of 2^32 overflows fp16 gradients: Megatron's optimizer and the
+    offloaded one both skip those steps (weights unchanged: the same losses follow) while
+    the dynamic scaler backs off."""
+    flags = [*SMALL, *NO_DROPOUT, "--train-iters", "4", "--fp16", "--deterministic-mode",
+             "--initial-loss-scale", "4294967296"]
+    assert pretrain(parse_args([*flags, "--snake-offload"])) == pretrain(parse_args(flags))

@@ -65,3 +65,8 @@ class DataParallel:
         if self.size > 1:
             dist.all_reduce(value, group=self.group)
         return value
+
+    def max(self, value: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value

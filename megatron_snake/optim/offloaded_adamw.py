@@ -52,13 +52,18 @@ class OffloadedAdamW:
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
-                 on_weights=None, dp: DataParallel = DataParallel()):
+                 on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None):
         if not 0.0 <= alpha <= 0.5:
             raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.clip_grad, self.alpha, self.dp = clip_grad, alpha, dp
+        # fp16: Megatron's loss scaler. Gradients arrive scaled, and whether any of them
+        # overflowed is known only at the step boundary, so every update waits for it.
+        self.grad_scaler = grad_scaler
+        self._found_inf = torch.zeros(1)
+        self._inv_scale: torch.Tensor | None = None
         # Called with (layout key, part, new working values) after each part's update.
         self.on_weights = on_weights
         # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
@@ -103,6 +108,9 @@ class OffloadedAdamW:
         start, end, _ = self.dp.shard(lay.numel)
         shard = self.dp.reduce_scatter_mean(grad.detach().float())
         shard = shard.to("cpu", torch.float32, copy=True)
+        if self.grad_scaler is not None:
+            self._found_inf.fill_(max(float(self._found_inf), float(not shard.isfinite().all())))
+            shard = shard * (1.0 / self.grad_scaler.scale)  # Megatron unscales before the norm
         for seg, piece in lay.pieces(start, end):
             self._norms[seg.index] = torch.linalg.vector_norm(
                 shard[piece.start - start:piece.stop - start])
@@ -111,7 +119,7 @@ class OffloadedAdamW:
                 continue
             self.store.put(("grad", key, part), shard[lo - start:hi - start], tier=self.tier,
                            kind="grad")
-            if part == "bwd" and not self.clip_grad:
+            if part == "bwd" and not self.clip_grad and self.grad_scaler is None:
                 self._submit(key, part, self._hyper)
             else:
                 self._deferred[(key, part)] = self._hyper
@@ -120,6 +128,17 @@ class OffloadedAdamW:
     def step(self):
         """The step boundary: the global gradient norm is known now. Returns Megatron's
         (update_successful, grad_norm, num_zeros_in_grad)."""
+        if self.grad_scaler is not None:
+            found_inf = bool(self.dp.max(self._found_inf)[0] > 0)
+            self._inv_scale = 1.0 / self.grad_scaler.scale
+            self.grad_scaler.update(found_inf)
+            self._found_inf.zero_()
+            if found_inf:  # Megatron skips the step: drop this step's gradients
+                for key, part in list(self._deferred):
+                    self.store.delete(("grad", key, part))
+                self._deferred.clear()
+                self._hyper, self._norms = None, {}
+                return False, None, None
         # The 2-norm of the per-parameter norms, in parameter order, in fp32: the same
         # arithmetic as torch.nn.utils.clip_grad_norm_ (and Megatron's formula).
         norms = [self._norms[i] for i in sorted(self._norms)]
@@ -144,7 +163,8 @@ class OffloadedAdamW:
         for part in PARTS:
             hyper = self._deferred.pop((key, part), None)
             if hyper is not None:
-                self._submit(key, part, hyper, clip_coef=self._clip_coef)
+                self._submit(key, part, hyper, clip_coef=self._clip_coef,
+                             inv_scale=self._inv_scale)
 
     def pending(self, key) -> bool:
         """Whether an update of ``key`` is deferred or running (its weights will change)."""
@@ -199,24 +219,32 @@ class OffloadedAdamW:
         self.store.synchronize()
 
     def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is not None:
+            return self.grad_scaler.scale
         return torch.tensor(1.0)
 
     # --- the update ----------------------------------------------------------------------
-    def _submit(self, key, part, hyper: StepHyper, clip_coef=None) -> None:
-        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef)
+    def _submit(self, key, part, hyper: StepHyper, clip_coef=None, inv_scale=None) -> None:
+        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef, inv_scale)
         with self._lock:
             previous = self._running.get((key, part))
             if previous is not None:
                 previous.result()
             self._running[(key, part)] = fut
 
-    def _update(self, key, part: str, hyper: StepHyper, clip_coef) -> None:
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``optimizer.scale_loss``: the loss times the current loss scale."""
+        return loss * self.get_loss_scale()
+
+    def _update(self, key, part: str, hyper: StepHyper, clip_coef, inv_scale) -> None:
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
         handles = {name: self.store.get((name, key, part)) for name in STATES + ("grad",)}
         state = {name: h.wait() for name, h in handles.items()}
         grad = state.pop("grad")
         self.store.delete(("grad", key, part))
+        if inv_scale is not None:
+            grad.mul_(inv_scale)  # the grad records hold loss-scaled gradients (fp16)
         if clip_coef is not None:
             grad.mul_(clip_coef)
         by_decay: dict[bool, list[slice]] = {True: [], False: []}

@@ -204,9 +204,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               "--snake-activation-offload")
     if not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
-    if args.snake_offload and args.fp16:
-        _fail(parser, "--fp16", "fp16 loss scaling with --snake-offload is not supported yet; "
-              "use --bf16")
     if args.snake_offload and args.pipeline_model_parallel_size > 1:
         _fail(parser, "--pipeline-model-parallel-size",
               "pipeline parallelism with --snake-offload is not supported yet; use 1")

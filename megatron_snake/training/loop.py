@@ -142,6 +142,8 @@ def pretrain(args: argparse.Namespace) -> list[float]:
                       f"{tensor_store.engine.name}")
             model, optimizer = gpt, state.optimizer
             scheduler = build_scheduler(args, optimizer)
+            unwrap_model(gpt).config.grad_scale_func = optimizer.scale_loss if args.fp16 \
+                else None
             forward_backward = make_forward_backward(args, tensor_store, device, state.weights)
         else:
             state = None

@@ -113,6 +113,20 @@ def unit_working_set_bytes(args, params: UnitParams) -> tuple[int, int]:
     return sizes[unit], unit
 
 
+def grad_scaler(args):
+    """Megatron-LM's loss scaler for fp16 (None otherwise): static with --loss-scale."""
+    if not args.fp16:
+        return None
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if args.loss_scale:
+        return ConstantGradScaler(args.loss_scale)
+    return DynamicGradScaler(initial_scale=args.initial_loss_scale,
+                             min_scale=args.min_loss_scale, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=args.loss_scale_window,
+                             hysteresis=args.hysteresis)
+
+
 def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
     limit and that the drive has room for all of it first)."""
@@ -132,7 +146,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
-                               tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron())
+                               tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron(),
+                               grad_scaler=grad_scaler(args))
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=args.snake_param_tier)
     return OffloadedState(weights, optimizer)
