@@ -35,7 +35,7 @@ class OffloadedUnits:
         self._shared_stale = False    # an update of the shared weights is not in place yet
         for lay in unit_params.units:
             flat = lay.gather(dtype=dtype)
-            for part, (lo, hi) in self._parts(lay):
+            for part, (lo, hi) in self.record_parts(lay):
                 store.put(("w", lay.key, part), flat[lo:hi], tier=tier, kind="weights")
             self._release_weights(lay)
         for lay in unit_params.all_layouts():
@@ -61,7 +61,7 @@ class OffloadedUnits:
         for seg in lay.segments:
             seg.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
-    def _parts(self, lay):
+    def record_parts(self, lay):
         """(part, (lo, hi)) of this rank's records of a layout, skipping empty parts."""
         bounds = part_bounds(lay.numel, self.alpha, self.dp)
         return [(part, (lo, hi)) for part, (lo, hi) in zip(PARTS, bounds) if hi > lo]
@@ -71,7 +71,7 @@ class OffloadedUnits:
         start, end, _ = self.dp.shard(lay.numel)
         local = torch.empty(end - start, dtype=self.dtype, device=device or self.device)
         handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start])
-                   for part, (lo, hi) in self._parts(lay)]
+                   for part, (lo, hi) in self.record_parts(lay)]
         for handle in handles:
             handle.wait()
         return self.dp.all_gather(local, lay.numel)
@@ -153,7 +153,7 @@ class OffloadedUnits:
             if not names:
                 continue
             flat = torch.cat([state[n].reshape(-1).to(self.dtype) for n in names])
-            for part, (lo, hi) in self._parts(lay):
+            for part, (lo, hi) in self.record_parts(lay):
                 self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier,
                                kind="weights")
         rest = {k: v for k, v in state.items() if k not in offloaded}

@@ -1,7 +1,8 @@
 """The training loop: build, (resume), step, log, evaluate, save.
 
-Megatron-LM's ``pretrain`` reduced to the parts a GPT pretraining run needs, with the
-forward/backward of a step chosen by ``--snake-offload``.
+Megatron-LM's ``pretrain`` reduced to the parts a GPT pretraining run needs. Without
+``--snake-offload``: Megatron's DDP, optimizer and schedule. With it: the offloaded state
+(unit weights, gradients and AdamW states in the tensor store) and the vertical schedule.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
+from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.training import checkpointing, distributed, offload
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
-from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.training.optimizer import build_optimizer, build_scheduler
 from megatron_snake.training.schedules import make_forward_backward
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size

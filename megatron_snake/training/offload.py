@@ -77,7 +77,7 @@ class OffloadedState:
     def summary(self, args) -> str:
         """Bytes this rank holds per tier and moves per step."""
         weights = sum(hi - lo for lay in self.weights.params.units
-                      for _, (lo, hi) in self.weights._parts(lay)) * \
+                      for _, (lo, hi) in self.weights.record_parts(lay)) * \
             torch.tensor([], dtype=args.params_dtype).element_size()
         optim = self.optimizer.state_bytes()
         ckpt = checkpoint_bytes_per_step(args)
