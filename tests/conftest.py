@@ -45,17 +45,9 @@ def build_model(args, device, seed: int = 7):
 def make_microbatches(num: int, batch: int = 2, seq: int = 16, seed: int = 0,
                       vocab: int = VOCAB):
     """Random GPT micro-batches with Megatron's keys; the loss mask drops a few tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
-    mbs = []
-    for _ in range(num):
-        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        loss_mask = (torch.rand(batch, seq, generator=gen) > 0.1).float()
-        mbs.append(dict(tokens=text[:, :-1].contiguous(), labels=text[:, 1:].contiguous(),
-                        loss_mask=loss_mask,
-                        attention_mask=causal[None, None].expand(batch, 1, seq, seq),
-                        position_ids=torch.arange(seq)[None].expand(batch, seq)))
-    return mbs
+    from megatron_snake.training.data import random_microbatches
+
+    return random_microbatches(num, batch, seq, vocab, seed=seed, loss_mask_drop=0.1)
 
 
 def megatron_forward_backward(model, microbatches, forward_only: bool = False):

@@ -67,6 +67,7 @@ from megatron_snake.offload.saved_tensors import (  # noqa: E402
 from megatron_snake.offload.store import TensorStore  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
 from megatron_snake.training.schedules import megatron_forward_backward  # noqa: E402
 
@@ -171,19 +172,6 @@ class MeasuredOffloader(SavedTensorOffloader):
 
 # ---------------------------------------------------------------------- the benchmark
 
-def _microbatches(num, batch, seq, vocab, device):
-    gen = torch.Generator().manual_seed(0)
-    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
-    out = []
-    for _ in range(num):
-        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        out.append({k: v.to(device) for k, v in dict(
-            tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(batch, seq),
-            attention_mask=causal[None, None].expand(batch, 1, seq, seq),
-            position_ids=torch.arange(seq)[None].expand(batch, seq)).items()})
-    return out
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -219,7 +207,7 @@ def _measure(fn, model, device, attach):
 
 def bench_case(model, seq, mbs, a, device, store):
     vocab = a.vocab
-    batches = _microbatches(a.micro_batches, mbs, seq, vocab, device)
+    batches = random_microbatches(a.micro_batches, mbs, seq, vocab, device=device)
     offloader = MeasuredOffloader(store, a.tier, params=model.parameters(),
                                   min_bytes=a.min_bytes, prefetch_depth=a.prefetch_depth)
 

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
 from megatron_snake.training.schedules import megatron_forward_backward  # noqa: E402
 
@@ -38,19 +39,6 @@ PRESETS = {
     "cpu-small": [(4, 128, 4, 128, 2, 4, 1)],
     "gpu-1b": [(24, 2048, 16, 2048, 2, 8, 1), (24, 2048, 16, 2048, 2, 8, 2)],
 }
-
-
-def _microbatches(num, batch, seq, vocab, device):
-    gen = torch.Generator().manual_seed(0)
-    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
-    out = []
-    for _ in range(num):
-        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        out.append({k: v.to(device) for k, v in dict(
-            tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(batch, seq),
-            attention_mask=causal[None, None].expand(batch, 1, seq, seq),
-            position_ids=torch.arange(seq)[None].expand(batch, seq)).items()})
-    return out
 
 
 def _timed(fn, device) -> float:
@@ -73,7 +61,7 @@ def bench_case(case, *, device, steps, warmup, bf16):
     vocab = 1024
     model = build_gpt_model(args, vocab, device)
     config = model.config
-    batches = _microbatches(num_mb, mbs, seq, vocab, device)
+    batches = random_microbatches(num_mb, mbs, seq, vocab, device=device)
 
     def baseline():
         config.recompute_granularity, config.recompute_method = "full", "uniform"

@@ -38,21 +38,10 @@ from megatron_snake.schedule.unit_store import CombinedStore  # noqa: E402
 from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
 
 SCHEDULES = {"vertical": vertical_forward_backward, "horizontal": horizontal_forward_backward}
-
-
-def _microbatches(num, batch, seq, vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
-    out = []
-    for _ in range(num):
-        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        out.append(dict(tokens=text[:, :-1], labels=text[:, 1:], loss_mask=torch.ones(batch, seq),
-                        attention_mask=causal[None, None].expand(batch, 1, seq, seq),
-                        position_ids=torch.arange(seq)[None].expand(batch, seq)))
-    return out
 
 
 def bench_schedule(name, num_mb, a, store_dir, device):
@@ -68,7 +57,7 @@ def bench_schedule(name, num_mb, a, store_dir, device):
         opt = OffloadedAdamW(params, tstore, lr=1e-4, weight_decay=0.01, alpha=a.alpha)
         weights = OffloadedUnits(params, tstore, opt, device=device, dtype=torch.float32)
         for step in range(a.warmup + a.steps):
-            batches = _microbatches(num_mb, a.micro_batch_size, a.seq, vocab, step)
+            batches = random_microbatches(num_mb, a.micro_batch_size, a.seq, vocab, seed=step)
             before = {k: [list(v) for v in t.values()]
                       for k, t in tstore.counters.by_kind.items()}
             start = time.perf_counter()

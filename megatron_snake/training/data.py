@@ -374,3 +374,22 @@ def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed):
         start = consumed + dp_rank * mbs
         yield collate([dataset[i] for i in range(start, start + mbs)])
         consumed += window
+
+
+def random_microbatches(num: int, batch: int, seq: int, vocab: int, *, seed: int = 0,
+                        loss_mask_drop: float = 0.0, device=None) -> List[Dict[str, torch.Tensor]]:
+    """``num`` micro-batches of uniformly random tokens with Megatron's GPT batch keys (a
+    causal mask; ``loss_mask_drop`` of the tokens masked out of the loss at random): for
+    tests and benchmarks that need no dataset."""
+    gen = torch.Generator().manual_seed(seed)
+    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not()
+    out = []
+    for _ in range(num):
+        text = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        loss_mask = (torch.rand(batch, seq, generator=gen) >= loss_mask_drop).float()
+        mb = dict(tokens=text[:, :-1].contiguous(), labels=text[:, 1:].contiguous(),
+                  loss_mask=loss_mask,
+                  attention_mask=causal[None, None].expand(batch, 1, seq, seq),
+                  position_ids=torch.arange(seq)[None].expand(batch, seq))
+        out.append({k: v.to(device) for k, v in mb.items()} if device is not None else mb)
+    return out
