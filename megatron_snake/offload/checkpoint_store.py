@@ -18,15 +18,20 @@ KIND = "activations"
 
 
 class OffloadedCheckpoints:
-    def __init__(self, store, tier: str, num_microbatches: int, device: torch.device,
+    """``tier`` is "host" or "nvme" for every checkpoint, or a function of the checkpoint's
+    key giving "gpu" (stay in memory), "host" or "nvme" (a placement plan)."""
+
+    def __init__(self, store, tier, num_microbatches: int, device: torch.device,
                  lookahead: int = 2):
-        if tier not in ("host", "nvme"):
+        if isinstance(tier, str) and tier not in ("host", "nvme"):
             raise ValueError(f"--snake-activation-tier: {tier!r} is not an offload tier "
                              "(host or nvme)")
-        self.store, self.tier, self.device = store, tier, device
+        self.tier_of = tier if callable(tier) else (lambda key: tier)
+        self.store, self.device = store, device
         self.num_microbatches, self.lookahead = num_microbatches, lookahead
         self._writes = []    # put handles: waited at the end of the step so errors surface
         self._reads = {}     # (unit, mb) -> get handle issued ahead of use
+        self._kept = {}      # key -> tensor the plan keeps in memory
 
     def _key(self, unit: int, microbatch: int):
         return ("ckpt", unit, microbatch)
@@ -40,10 +45,17 @@ class OffloadedCheckpoints:
                 self._reads[(unit, mb)] = self.store.get(self._key(unit, mb), device=self.device)
 
     def save_checkpoint(self, unit, microbatch, hidden):
-        self._writes.append(self.store.put(self._key(unit, microbatch), hidden, tier=self.tier,
-                                           kind=KIND))
+        key = self._key(unit, microbatch)
+        tier = self.tier_of(key)
+        if tier == "gpu":
+            self._kept[key] = hidden
+            return
+        self._writes.append(self.store.put(key, hidden, tier=tier, kind=KIND))
 
     def load_checkpoint(self, unit, microbatch):
+        kept = self._kept.get(self._key(unit, microbatch))
+        if kept is not None:
+            return kept
         handle = self._reads.pop((unit, microbatch), None)
         if handle is None:
             handle = self.store.get(self._key(unit, microbatch), device=self.device)
@@ -51,7 +63,9 @@ class OffloadedCheckpoints:
         return handle.wait()
 
     def drop_checkpoint(self, unit, microbatch):
-        self.store.delete(self._key(unit, microbatch))
+        key = self._key(unit, microbatch)
+        if self._kept.pop(key, None) is None:
+            self.store.delete(key)
 
     def acquire_unit(self, unit, *, next_unit, for_backward):
         if unit > 0:

@@ -160,7 +160,10 @@ def measure_tier_bandwidth(store, nbytes: int = 64 << 20, tiers=("host", "nvme")
     takes. NVMe reads may be served by the page cache when the engine is not O_DIRECT."""
     import torch
 
-    src = torch.randint(0, 256, (max(1, int(nbytes)),), dtype=torch.uint8, device=store.device)
+    # A private generator: the probe must not move the RNG streams training draws from.
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (max(1, int(nbytes)),), dtype=torch.uint8,
+                        generator=gen).to(store.device)
     out = {}
     for tier in tiers:
         key = ("__bandwidth_probe__", tier)

@@ -9,9 +9,17 @@ methods over GPU, host memory and NVMe.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
+
+
+def compute_event(store, sweep: str, unit: int, microbatch: int):
+    """The optional ``compute_event`` context of a store (a profiler times the schedule's
+    work through it), or nothing."""
+    hook = getattr(store, "compute_event", None)
+    return hook(sweep, unit, microbatch) if hook is not None else nullcontext()
 
 
 class UnitStore(Protocol):
@@ -83,3 +91,6 @@ class CombinedStore:
 
     def release_unit(self, unit, *, gradients_final):
         self.weights.release_unit(unit, gradients_final=gradients_final)
+
+    def compute_event(self, sweep, unit, microbatch):
+        return compute_event(self.checkpoints, sweep, unit, microbatch)

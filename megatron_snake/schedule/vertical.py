@@ -26,7 +26,7 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
 from megatron_snake.schedule.order import snake_order
-from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
+from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore, compute_event
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -82,18 +82,19 @@ def _forward_sweep(units: GPTUnits, contexts, store: UnitStore, *, last_unit_too
     for unit in sweep:
         store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None, for_backward=False)
         for mb in snake_order(unit, num_mb):
-            hidden = None if unit == 0 else store.load_checkpoint(unit, mb)
-            if not last_unit_too:  # a recompute will replay this unit's dropout
-                rng_states[(unit, mb)] = rng.capture()
-            with torch.no_grad(), units.autocast():
-                out = units.forward_unit(unit, hidden, contexts[mb])
-            if unit > 0 and last_unit_too:
-                store.drop_checkpoint(unit, mb)  # no backward will read it
-            if unit == last:
-                loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
-                losses[mb] = reported_loss(loss, num_tokens)
-            else:
-                store.save_checkpoint(unit + 1, mb, out)
+            with compute_event(store, "F", unit, mb):
+                hidden = None if unit == 0 else store.load_checkpoint(unit, mb)
+                if not last_unit_too:  # a recompute will replay this unit's dropout
+                    rng_states[(unit, mb)] = rng.capture()
+                with torch.no_grad(), units.autocast():
+                    out = units.forward_unit(unit, hidden, contexts[mb])
+                if unit > 0 and last_unit_too:
+                    store.drop_checkpoint(unit, mb)  # no backward will read it
+                if unit == last:
+                    loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
+                    losses[mb] = reported_loss(loss, num_tokens)
+                else:
+                    store.save_checkpoint(unit + 1, mb, out)
         store.release_unit(unit, gradients_final=False)
     return losses, rng_states
 
@@ -107,24 +108,27 @@ def _backward_sweep(units: GPTUnits, contexts, store: UnitStore, rng_states):
     for unit in range(last, -1, -1):
         store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
         for mb in snake_order(unit, num_mb):
-            ctx = contexts[mb]
-            hidden = None
-            if unit > 0:
-                hidden = store.load_checkpoint(unit, mb).detach().requires_grad_(True)
-            # The last unit runs here for the first time: nothing to replay.
-            replay = rng.replay(rng_states.pop((unit, mb))) if unit < last else nullcontext()
-            with replay, torch.enable_grad(), units.autocast():
-                out = units.forward_unit(unit, hidden, ctx)
-            if unit == last:
-                loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])
-                losses[mb] = reported_loss(loss, num_tokens)
-                total_tokens += num_tokens
-                torch.autograd.backward(scale_for_backward(loss, num_tokens, num_mb, units.config))
-            else:
-                torch.autograd.backward(out, grad_tensors=grad_of_output.pop(mb))
-            del out
-            if unit > 0:
-                grad_of_output[mb] = hidden.grad
-                store.drop_checkpoint(unit, mb)
+            with compute_event(store, "B", unit, mb):
+                ctx = contexts[mb]
+                hidden = None
+                if unit > 0:
+                    hidden = store.load_checkpoint(unit, mb).detach().requires_grad_(True)
+                # The last unit runs here for the first time: nothing to replay.
+                replay = rng.replay(rng_states.pop((unit, mb))) if unit < last \
+                    else nullcontext()
+                with replay, torch.enable_grad(), units.autocast():
+                    out = units.forward_unit(unit, hidden, ctx)
+                if unit == last:
+                    loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])
+                    losses[mb] = reported_loss(loss, num_tokens)
+                    total_tokens += num_tokens
+                    torch.autograd.backward(scale_for_backward(loss, num_tokens, num_mb,
+                                                               units.config))
+                else:
+                    torch.autograd.backward(out, grad_tensors=grad_of_output.pop(mb))
+                del out
+                if unit > 0:
+                    grad_of_output[mb] = hidden.grad
+                    store.drop_checkpoint(unit, mb)
         store.release_unit(unit, gradients_final=True)
     return losses, total_tokens

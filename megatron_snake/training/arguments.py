@@ -13,6 +13,7 @@ import torch
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
 SNAKE_TIERS = ("device", "host", "nvme")
+ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,8 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snake-offload-dir", default=None,
                    help="existing directory for offloaded state (rank<N>/ is made below "
                         "it); default: a new temporary directory")
-    g.add_argument("--snake-activation-tier", default="nvme", choices=SNAKE_TIERS,
-                   help="where unit checkpoints live between the forward and backward sweeps")
+    g.add_argument("--snake-activation-tier", default="nvme", choices=ACTIVATION_TIERS,
+                   help="where unit checkpoints live between the forward and backward sweeps; "
+                        "auto: profile, then place each by a lifetime-aware plan")
+    g.add_argument("--snake-profile-iters", type=int, default=2,
+                   help="iterations profiled before the activation plan is made (auto tier)")
+    g.add_argument("--snake-plan-json", default=None,
+                   help="where the activation plan is written (auto tier); default "
+                        "<offload-dir>/activation_plan_rank<N>.json with --snake-offload-dir")
     g.add_argument("--snake-activation-offload", action="store_true",
                    help="SSDTrain mode for Megatron's own schedule (without --snake-offload): "
                         "tensors autograd saves go to --snake-activation-tier and come back "
@@ -202,6 +209,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.snake_activation_offload and args.snake_activation_tier == "device":
         _fail(parser, "--snake-activation-tier", "use host or nvme with "
               "--snake-activation-offload")
+    if args.snake_activation_tier == "auto" and args.snake_profile_iters < 1:
+        _fail(parser, "--snake-profile-iters", "must be >= 1 with --snake-activation-tier auto")
+    if args.snake_activation_offload and args.snake_activation_tier == "auto":
+        _fail(parser, "--snake-activation-tier", "auto applies to the vertical schedule's "
+              "checkpoints (--snake-offload); use host or nvme with --snake-activation-offload")
     if not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
     if args.snake_offload and args.pipeline_model_parallel_size > 1:

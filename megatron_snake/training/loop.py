@@ -105,8 +105,15 @@ class Run:
 
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Train as the flags say. Returns the lm loss of every iteration run here."""
-    if args.deterministic_mode:
-        torch.use_deterministic_algorithms(True)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(args.deterministic_mode or was_deterministic)
+    try:
+        return _pretrain(args)
+    finally:  # a process that trains more than once (tests, notebooks) gets its mode back
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _pretrain(args: argparse.Namespace) -> list[float]:
     device = distributed.resolve_device(args.device)
     distributed.initialize(device=device,
                            tensor_model_parallel_size=args.tensor_model_parallel_size,

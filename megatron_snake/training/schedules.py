@@ -8,11 +8,15 @@ and a list of micro-batch dicts and return the per-micro-batch masked-mean losse
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
+
+import torch.distributed as dist
 
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+from megatron_snake.offload.activation_plan import ActivationPlanner
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
 from megatron_snake.offload.saved_tensors import (SavedTensorOffloader,
                                                   megatron_activation_offload_forward_backward)
@@ -48,6 +52,25 @@ def megatron_forward_backward(model, microbatches, *, forward_only: bool = False
     return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
 
 
+def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
+    """The planner for ``--snake-activation-tier auto``: the GPU budget for checkpoints is
+    ``--snake-gpu-memory-limit`` less the largest unit's working set."""
+    from megatron_snake.training.offload import unit_working_set_bytes
+
+    gpu_budget = None
+    if args.snake_gpu_memory_limit is not None and weights is not None:
+        gpu_budget = args.snake_gpu_memory_limit - unit_working_set_bytes(args, weights.params)[0]
+    path = args.snake_plan_json
+    if path is None and args.snake_offload_dir:
+        path = os.path.join(args.snake_offload_dir,
+                            f"activation_plan_rank{tensor_store.dir.rank}.json")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return ActivationPlanner(tensor_store, device, profile_iters=args.snake_profile_iters,
+                             gpu_budget_bytes=gpu_budget,
+                             host_budget_bytes=args.snake_host_memory_limit // 2,
+                             plan_path=path, log=print if rank0 else (lambda *a: None))
+
+
 def make_forward_backward(args, tensor_store=None, device=None, weights=None) -> StepFn:
     """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
     to ``--snake-activation-tier`` through ``tensor_store`` and unit weights come from
@@ -62,15 +85,23 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
     schedule = horizontal_forward_backward if args.snake_schedule == "horizontal" \
         else vertical_forward_backward
 
+    planner = None
+    if args.snake_activation_tier == "auto":
+        planner = activation_planner(args, tensor_store, device, weights)
+
     def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
         checkpoints = InMemoryStore()
-        if args.snake_activation_tier != "device":
+        if planner is not None:
+            checkpoints = planner.step_store(len(microbatches), forward_only=forward_only)
+        elif args.snake_activation_tier != "device":
             checkpoints = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
                                                len(microbatches), device)
         store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore())
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
                           forward_only=forward_only, store=store)
-        if isinstance(checkpoints, OffloadedCheckpoints):
+        if planner is not None and not forward_only:
+            planner.after_step(checkpoints)
+        elif isinstance(checkpoints, OffloadedCheckpoints):
             checkpoints.finish_step()
         return losses
 

@@ -1,0 +1,99 @@
+"""``--snake-activation-tier auto``: profile the first iterations, then place every unit
+checkpoint by a lifetime-aware plan (TERAIO).
+
+For ``--snake-profile-iters`` steps every checkpoint goes to NVMe while the schedule's
+compute events and each checkpoint's production and uses are recorded. Then the tiers'
+bandwidth is measured through the store, and ``make_plan`` decides, within the GPU budget
+(``--snake-gpu-memory-limit`` less the largest unit's working set; unlimited without the
+flag, so nothing is offloaded that need not be) and the host budget, which checkpoints stay
+in memory, which go to host memory and which to NVMe. The plan is printed and written as
+JSON; it is made again when the checkpoints' shapes change.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.lifetimes import LifetimeRecorder, measure_tier_bandwidth
+from megatron_snake.offload.plan import make_plan
+
+UNLIMITED = 1 << 62
+
+
+class RecordingCheckpoints(OffloadedCheckpoints):
+    """All checkpoints to NVMe, recording the timeline and lifetimes as the schedule runs."""
+
+    def __init__(self, recorder: LifetimeRecorder, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorder = recorder
+        self.shapes = set()
+
+    @contextmanager
+    def compute_event(self, sweep, unit, microbatch):
+        name = (sweep, unit, microbatch)
+        self.recorder.begin(name)
+        try:
+            yield
+        finally:
+            self.recorder.end(name)
+
+    def save_checkpoint(self, unit, microbatch, hidden):
+        self.recorder.produced(self._key(unit, microbatch), hidden.numel() * hidden.element_size())
+        self.shapes.add((tuple(hidden.shape), hidden.dtype))
+        super().save_checkpoint(unit, microbatch, hidden)
+
+    def load_checkpoint(self, unit, microbatch):
+        self.recorder.used(self._key(unit, microbatch))
+        return super().load_checkpoint(unit, microbatch)
+
+
+class ActivationPlanner:
+    """Hands the schedule a checkpoint store per training step: recording ones first, then
+    ones that follow the plan."""
+
+    def __init__(self, store, device, *, profile_iters: int, gpu_budget_bytes: int | None,
+                 host_budget_bytes: int, plan_path: str | None, log=print):
+        self.store, self.device, self.log = store, device, log
+        self.profile_iters, self.plan_path = profile_iters, plan_path
+        self.gpu_budget = gpu_budget_bytes if gpu_budget_bytes is not None else UNLIMITED
+        self.host_budget = host_budget_bytes
+        self.plan = None
+        self._shapes = None
+        self._restart()
+
+    def _restart(self):
+        self.recorder, self._profiled, self.plan = LifetimeRecorder(), 0, None
+
+    def step_store(self, num_microbatches: int, *, forward_only: bool = False):
+        if forward_only:  # evaluation: a different timeline, not profiled
+            tier_of = self.plan.tier if self.plan else "nvme"
+            return OffloadedCheckpoints(self.store, tier_of, num_microbatches, self.device)
+        if self.plan is None:
+            return RecordingCheckpoints(self.recorder, self.store, "nvme", num_microbatches,
+                                        self.device)
+        return OffloadedCheckpoints(self.store, self.plan.tier, num_microbatches, self.device)
+
+    def after_step(self, checkpoints) -> None:
+        checkpoints.finish_step()
+        if isinstance(checkpoints, RecordingCheckpoints):
+            if self._shapes is not None and checkpoints.shapes != self._shapes:
+                self._restart()  # shapes changed while profiling: start again
+            self._shapes = checkpoints.shapes
+            self.recorder.step()
+            self._profiled += 1
+            if self._profiled >= self.profile_iters:
+                self._make_plan()
+
+    def _make_plan(self) -> None:
+        timeline, lifetimes = self.recorder.finish()
+        largest = max((lt.nbytes for lt in lifetimes), default=1 << 20)
+        bandwidth = measure_tier_bandwidth(self.store, nbytes=max(largest, 1 << 20))
+        self.plan = make_plan(lifetimes, timeline, gpu_budget_bytes=self.gpu_budget,
+                              host_budget_bytes=self.host_budget, bandwidth=bandwidth)
+        self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
+                 f"{self.plan.summary()}")
+        if self.plan_path:
+            with open(self.plan_path, "w") as f:
+                f.write(self.plan.to_json())
+            self.log(f"> activation plan written to {self.plan_path}")
