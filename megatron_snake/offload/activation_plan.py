@@ -27,7 +27,6 @@ class RecordingCheckpoints(OffloadedCheckpoints):
     def __init__(self, recorder: LifetimeRecorder, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorder = recorder
-        self.shapes = set()
 
     @contextmanager
     def compute_event(self, sweep, unit, microbatch):
@@ -40,7 +39,6 @@ class RecordingCheckpoints(OffloadedCheckpoints):
 
     def save_checkpoint(self, unit, microbatch, hidden):
         self.recorder.produced(self._key(unit, microbatch), hidden.numel() * hidden.element_size())
-        self.shapes.add((tuple(hidden.shape), hidden.dtype))
         super().save_checkpoint(unit, microbatch, hidden)
 
     def load_checkpoint(self, unit, microbatch):
@@ -76,6 +74,11 @@ class ActivationPlanner:
 
     def after_step(self, checkpoints) -> None:
         checkpoints.finish_step()
+        if self.plan is not None and checkpoints.shapes != self._shapes:
+            self.log("> checkpoint shapes changed: profiling again for a new activation plan")
+            self._restart()
+            self._shapes = None
+            return
         if isinstance(checkpoints, RecordingCheckpoints):
             if self._shapes is not None and checkpoints.shapes != self._shapes:
                 self._restart()  # shapes changed while profiling: start again

@@ -32,6 +32,10 @@ class OffloadedCheckpoints:
         self._writes = []    # put handles: waited at the end of the step so errors surface
         self._reads = {}     # (unit, mb) -> get handle issued ahead of use
         self._kept = {}      # key -> tensor the plan keeps in memory
+        self.shapes = set()  # (shape, dtype) of the checkpoints saved: a plan is per shape
+        self.live = {"gpu": 0, "host": 0, "nvme": 0}   # checkpoint bytes per tier, now
+        self.peak = dict(self.live)                     # ... and at most this step
+        self._tier_bytes = {}
 
     def _key(self, unit: int, microbatch: int):
         return ("ckpt", unit, microbatch)
@@ -47,6 +51,11 @@ class OffloadedCheckpoints:
     def save_checkpoint(self, unit, microbatch, hidden):
         key = self._key(unit, microbatch)
         tier = self.tier_of(key)
+        self.shapes.add((tuple(hidden.shape), hidden.dtype))
+        nbytes = hidden.numel() * hidden.element_size()
+        self._tier_bytes[key] = (tier, nbytes)
+        self.live[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.live[tier])
         if tier == "gpu":
             self._kept[key] = hidden
             return
@@ -64,6 +73,8 @@ class OffloadedCheckpoints:
 
     def drop_checkpoint(self, unit, microbatch):
         key = self._key(unit, microbatch)
+        tier, nbytes = self._tier_bytes.pop(key)
+        self.live[tier] -= nbytes
         if self._kept.pop(key, None) is None:
             self.store.delete(key)
 

@@ -203,7 +203,9 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
         run.log.step(iteration=iteration, consumed_samples=consumed, lm_loss=lm_loss,
                      lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
                      loss_scale=optimizer.get_loss_scale().item(),
-                     skipped=not update_successful, extra=offload.traffic(run.tensor_store))
+                     skipped=not update_successful,
+                     extra=offload.traffic(run.tensor_store,
+                                           getattr(run.forward_backward, "activation_peak", None)))
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
             run.log.validation(iteration, evaluate(args, model, run.forward_backward, valid_ds,
                                                    run.device))

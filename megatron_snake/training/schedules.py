@@ -99,10 +99,14 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
         store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore())
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
                           forward_only=forward_only, store=store)
+        if isinstance(checkpoints, OffloadedCheckpoints) and not forward_only:
+            snake_forward_backward.activation_peak = dict(checkpoints.peak)
         if planner is not None and not forward_only:
             planner.after_step(checkpoints)
         elif isinstance(checkpoints, OffloadedCheckpoints):
             checkpoints.finish_step()
         return losses
+
+    snake_forward_backward.activation_peak = None  # the last training step's, for the log
 
     return snake_forward_backward
