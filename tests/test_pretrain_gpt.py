@@ -84,7 +84,6 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
     (["--lr-warmup-iters", "20", "--train-iters", "20"], "--lr-warmup-iters"),
     (["--snake-alpha", "0.7"], "--snake-alpha"),
     (["--snake-param-tier", "device"], "--snake-param-tier"),
-    (["--snake-activation-offload", "--snake-offload"], "--snake-activation-offload"),
     (["--snake-activation-offload", "--snake-activation-tier", "device"],
      "--snake-activation-tier"),
 ])
@@ -224,3 +223,14 @@ def test_fp16_overflow_skips_the_same_steps(megatron_world):
     flags = [*SMALL, *NO_DROPOUT, "--train-iters", "4", "--fp16", "--deterministic-mode",
              "--initial-loss-scale", "4294967296"]
     assert pretrain(parse_args([*flags, "--snake-offload"])) == pretrain(parse_args(flags))
+
+
+def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_path):
+    """--snake-offload --snake-activation-offload: the tensors autograd saves while a unit
+    is recomputed go to NVMe too; dropout on, every loss bit-identical."""
+    flags = [*SMALL, "--train-iters", "3", "--deterministic-mode", "--hidden-size", "64",
+             "--seq-length", "64", "--snake-offload", "--snake-offload-dir", str(tmp_path)]
+    plain = pretrain(parse_args(flags))
+    offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",
+                                     "--snake-activation-offload-min-bytes", "4096"]))
+    assert offloaded == plain

@@ -71,11 +71,22 @@ class InMemoryStore:
         return len(self._checkpoints)
 
 
-class CombinedStore:
-    """Checkpoints from one store, unit weights from another."""
+def saved_tensors(store):
+    """The store's optional context for the tensors autograd saves while a unit is
+    recomputed (an SSDTrain offloader), or nothing."""
+    hook = getattr(store, "saved_tensors", None)
+    return hook() if hook is not None else nullcontext()
 
-    def __init__(self, checkpoints, weights):
-        self.checkpoints, self.weights = checkpoints, weights
+
+class CombinedStore:
+    """Checkpoints from one store, unit weights from another, and optionally an offloader
+    for the tensors autograd saves inside each unit's recompute."""
+
+    def __init__(self, checkpoints, weights, saved=None):
+        self.checkpoints, self.weights, self.saved = checkpoints, weights, saved
+
+    def saved_tensors(self):
+        return self.saved if self.saved is not None else nullcontext()
 
     def save_checkpoint(self, unit, microbatch, hidden):
         self.checkpoints.save_checkpoint(unit, microbatch, hidden)

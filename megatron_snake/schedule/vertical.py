@@ -26,7 +26,8 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
 from megatron_snake.schedule.order import snake_order
-from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore, compute_event
+from megatron_snake.schedule.unit_store import (InMemoryStore, UnitStore, compute_event,
+                                                saved_tensors)
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -116,7 +117,7 @@ def _backward_sweep(units: GPTUnits, contexts, store: UnitStore, rng_states):
                 # The last unit runs here for the first time: nothing to replay.
                 replay = rng.replay(rng_states.pop((unit, mb))) if unit < last \
                     else nullcontext()
-                with replay, torch.enable_grad(), units.autocast():
+                with replay, torch.enable_grad(), units.autocast(), saved_tensors(store):
                     out = units.forward_unit(unit, hidden, ctx)
                 if unit == last:
                     loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])

@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the activation plan is written (auto tier); default "
                         "<offload-dir>/activation_plan_rank<N>.json with --snake-offload-dir")
     g.add_argument("--snake-activation-offload", action="store_true",
-                   help="SSDTrain mode for Megatron's own schedule (without --snake-offload): "
-                        "tensors autograd saves go to --snake-activation-tier and come back "
-                        "for backward (deduplicated, prefetched)")
+                   help="SSDTrain: tensors autograd saves go to --snake-activation-tier (nvme "
+                        "for the vertical schedule unless that tier is host) and come back "
+                        "for backward, deduplicated and prefetched; with Megatron's schedule, "
+                        "or with --snake-offload inside each unit's recompute")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay in memory")
     g.add_argument("--snake-param-tier", default="nvme", choices=SNAKE_TIERS[1:],
@@ -203,15 +204,14 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
                 setattr(args, attr, parse_size(getattr(args, attr)))
             except argparse.ArgumentTypeError as exc:
                 _fail(parser, flag, str(exc))
-    if args.snake_activation_offload and args.snake_offload:
-        _fail(parser, "--snake-activation-offload", "applies to Megatron's schedule; with "
-              "--snake-offload unit checkpoints are offloaded by --snake-activation-tier")
-    if args.snake_activation_offload and args.snake_activation_tier == "device":
+    if args.snake_activation_offload and not args.snake_offload and \
+            args.snake_activation_tier == "device":
         _fail(parser, "--snake-activation-tier", "use host or nvme with "
               "--snake-activation-offload")
     if args.snake_activation_tier == "auto" and args.snake_profile_iters < 1:
         _fail(parser, "--snake-profile-iters", "must be >= 1 with --snake-activation-tier auto")
-    if args.snake_activation_offload and args.snake_activation_tier == "auto":
+    if args.snake_activation_offload and not args.snake_offload and \
+            args.snake_activation_tier == "auto":
         _fail(parser, "--snake-activation-tier", "auto applies to the vertical schedule's "
               "checkpoints (--snake-offload); use host or nvme with --snake-activation-offload")
     if not 0.0 <= args.snake_alpha <= 0.5:

@@ -58,19 +58,20 @@ def open_store(args, device: torch.device, rank: int):
 
 
 def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> str:
-    """For the log line: bytes read/written per tier since the start (all state, then the
-    activations alone), the time callers waited on the store, and the last step's peak
-    checkpoint bytes per tier."""
+    """For the log line: bytes read/written per tier since the start (all state, then unit
+    checkpoints and saved tensors alone), the time callers waited on the store, and the
+    last step's peak checkpoint bytes per tier."""
     if store is None:
         return ""
     c = store.counters
     parts = [f"{tier} r/w {c.read[tier] / 2**20:.1f}/{c.written[tier] / 2**20:.1f} MiB"
              for tier in ("nvme", "host") if c.read[tier] or c.written[tier]]
-    act = c.by_kind.get("activations") or c.by_kind.get("saved_activations")
-    if act:
-        parts.append("activations " + ", ".join(
-            f"{tier} r/w {act[tier][0] / 2**20:.1f}/{act[tier][1] / 2**20:.1f} MiB"
-            for tier in ("nvme", "host") if any(act[tier])))
+    for kind, label in (("activations", "checkpoints"), ("saved_activations", "saved tensors")):
+        moved = c.by_kind.get(kind)
+        if moved:
+            parts.append(f"{label} " + ", ".join(
+                f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{moved[tier][1] / 2**20:.1f} MiB"
+                for tier in ("nvme", "host") if any(moved[tier])))
     if activation_peak:
         parts.append("activation peak " + ", ".join(
             f"{tier} {n / 2**20:.1f} MiB" for tier, n in activation_peak.items() if n))

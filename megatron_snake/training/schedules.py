@@ -75,7 +75,7 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
     """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
     to ``--snake-activation-tier`` through ``tensor_store`` and unit weights come from
     ``weights`` (an OffloadedUnits), when given."""
-    if args.snake_activation_offload:
+    if args.snake_activation_offload and not args.snake_offload:
         offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
                                          min_bytes=args.snake_activation_offload_min_bytes)
         return functools.partial(megatron_activation_offload_forward_backward,
@@ -88,6 +88,11 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
     planner = None
     if args.snake_activation_tier == "auto":
         planner = activation_planner(args, tensor_store, device, weights)
+    saved = None
+    if args.snake_activation_offload:  # inside each unit's recompute
+        saved = SavedTensorOffloader(
+            tensor_store, "host" if args.snake_activation_tier == "host" else "nvme",
+            min_bytes=args.snake_activation_offload_min_bytes)
 
     def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
         checkpoints = InMemoryStore()
@@ -96,7 +101,10 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
         elif args.snake_activation_tier != "device":
             checkpoints = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
                                                len(microbatches), device)
-        store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore())
+        if saved is not None:
+            saved.add_parameters(model.parameters())  # never offload weights as activations
+        store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore(),
+                              saved)
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
                           forward_only=forward_only, store=store)
         if isinstance(checkpoints, OffloadedCheckpoints) and not forward_only:
