@@ -109,8 +109,10 @@ def test_half_precision_snake_matches_megatron(megatron_world, precision):
     snake = pretrain(parse_args([*flags, "--snake-offload"]))
     assert megatron[0] == snake[0], "first step: same weights, same per-micro-batch arithmetic"
     assert snake[-1] < snake[0] - 0.1, "the steps were taken, not skipped"
+    # Measured: bf16 within ~1e-5, fp16 within ~1e-6. The bound is tight enough to catch a
+    # gradient unscaled twice (fp16 then drifts by ~3e-4 in five steps).
     for a, b in zip(megatron, snake):
-        assert abs(a - b) <= 2e-3 * abs(a), (megatron, snake)
+        assert abs(a - b) <= 1e-4 * abs(a), (megatron, snake)
 
 
 def test_real_text_dataset_end_to_end(megatron_world, tmp_path):

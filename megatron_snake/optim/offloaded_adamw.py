@@ -63,7 +63,6 @@ class OffloadedAdamW:
         # overflowed is known only at the step boundary, so every update waits for it.
         self.grad_scaler = grad_scaler
         self._found_inf = torch.zeros(1)
-        self._inv_scale: torch.Tensor | None = None
         # Called with (layout key, part, new working values) after each part's update.
         self.on_weights = on_weights
         # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
@@ -110,7 +109,9 @@ class OffloadedAdamW:
         shard = shard.to("cpu", torch.float32, copy=True)
         if self.grad_scaler is not None:
             self._found_inf.fill_(max(float(self._found_inf), float(not shard.isfinite().all())))
-            shard = shard * (1.0 / self.grad_scaler.scale)  # Megatron unscales before the norm
+            # Unscaled once, here, as Megatron unscales main grads before the norm: the grad
+            # records hold true gradients.
+            shard = shard * (1.0 / self.grad_scaler.scale)
         for seg, piece in lay.pieces(start, end):
             self._norms[seg.index] = torch.linalg.vector_norm(
                 shard[piece.start - start:piece.stop - start])
@@ -130,7 +131,6 @@ class OffloadedAdamW:
         (update_successful, grad_norm, num_zeros_in_grad)."""
         if self.grad_scaler is not None:
             found_inf = bool(self.dp.max(self._found_inf)[0] > 0)
-            self._inv_scale = 1.0 / self.grad_scaler.scale
             self.grad_scaler.update(found_inf)
             self._found_inf.zero_()
             if found_inf:  # Megatron skips the step: drop this step's gradients
@@ -163,8 +163,7 @@ class OffloadedAdamW:
         for part in PARTS:
             hyper = self._deferred.pop((key, part), None)
             if hyper is not None:
-                self._submit(key, part, hyper, clip_coef=self._clip_coef,
-                             inv_scale=self._inv_scale)
+                self._submit(key, part, hyper, clip_coef=self._clip_coef)
 
     def pending(self, key) -> bool:
         """Whether an update of ``key`` is deferred or running (its weights will change)."""
@@ -224,8 +223,8 @@ class OffloadedAdamW:
         return torch.tensor(1.0)
 
     # --- the update ----------------------------------------------------------------------
-    def _submit(self, key, part, hyper: StepHyper, clip_coef=None, inv_scale=None) -> None:
-        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef, inv_scale)
+    def _submit(self, key, part, hyper: StepHyper, clip_coef=None) -> None:
+        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef)
         with self._lock:
             previous = self._running.get((key, part))
             if previous is not None:
@@ -236,15 +235,13 @@ class OffloadedAdamW:
         """Megatron's ``optimizer.scale_loss``: the loss times the current loss scale."""
         return loss * self.get_loss_scale()
 
-    def _update(self, key, part: str, hyper: StepHyper, clip_coef, inv_scale) -> None:
+    def _update(self, key, part: str, hyper: StepHyper, clip_coef) -> None:
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
         handles = {name: self.store.get((name, key, part)) for name in STATES + ("grad",)}
         state = {name: h.wait() for name, h in handles.items()}
         grad = state.pop("grad")
         self.store.delete(("grad", key, part))
-        if inv_scale is not None:
-            grad.mul_(inv_scale)  # the grad records hold loss-scaled gradients (fp16)
         if clip_coef is not None:
             grad.mul_(clip_coef)
         by_decay: dict[bool, list[slice]] = {True: [], False: []}
