@@ -39,17 +39,12 @@ class InMemoryStore:
 
     def __init__(self):
         self._checkpoints: dict[tuple[int, int], torch.Tensor] = {}
-        self.checkpoint_bytes = 0
-        self.peak_checkpoint_bytes = 0
-        self.unit_events: list[tuple[str, int]] = []  # ("acquire"|"release", unit), in order
 
     def save_checkpoint(self, unit, microbatch, hidden):
         key = (unit, microbatch)
         if key in self._checkpoints:
             raise KeyError(f"checkpoint for unit {unit}, micro-batch {microbatch} saved twice")
         self._checkpoints[key] = hidden
-        self.checkpoint_bytes += hidden.numel() * hidden.element_size()
-        self.peak_checkpoint_bytes = max(self.peak_checkpoint_bytes, self.checkpoint_bytes)
 
     def load_checkpoint(self, unit, microbatch):
         try:
@@ -58,17 +53,13 @@ class InMemoryStore:
             raise KeyError(f"no checkpoint for unit {unit}, micro-batch {microbatch}") from None
 
     def drop_checkpoint(self, unit, microbatch):
-        hidden = self._checkpoints.pop((unit, microbatch))
-        self.checkpoint_bytes -= hidden.numel() * hidden.element_size()
+        del self._checkpoints[(unit, microbatch)]
 
     def acquire_unit(self, unit, *, next_unit, for_backward):
-        self.unit_events.append(("acquire", unit))
+        pass
 
     def release_unit(self, unit, *, gradients_final):
-        self.unit_events.append(("release", unit))
-
-    def __len__(self):
-        return len(self._checkpoints)
+        pass
 
 
 def saved_tensors(store):
