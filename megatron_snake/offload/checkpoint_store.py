@@ -1,11 +1,12 @@
 """Unit checkpoints of the vertical schedule kept in the tiered TensorStore.
 
 Implements the schedule's ``UnitStore`` interface (megatron_snake/schedule/unit_store.py)
-for activations: a checkpoint is written to ``host`` or ``nvme`` as soon as a unit produces
-it, and read back ahead of use, ``lookahead`` micro-batches ahead in snake order. The first
-micro-batch into a unit is the one that just left the previous unit; its read is served from
-memory while its write is still in flight (the store forwards it). Weights stay in the model
-(their offload is a later layer).
+for activations: a checkpoint is written to its tier (``host`` or ``nvme``, or per key by a
+placement plan, which may also keep it in memory) as soon as a unit produces it, and read
+back ahead of use, ``lookahead`` micro-batches ahead in snake order. The first micro-batch
+into a unit is the one that just left the previous unit; its read is served from memory
+while its write is still in flight (the store forwards it). Unit weights are another store's
+concern (megatron_snake/offload/unit_weights.py).
 """
 
 from __future__ import annotations
