@@ -19,7 +19,7 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
 from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
-from megatron_snake.schedule.vertical import check_microbatches
+from megatron_snake.schedule.pipeline import check_microbatches
 
 
 def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,

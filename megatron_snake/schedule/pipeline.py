@@ -1,0 +1,197 @@
+"""The vertical schedule across pipeline stages: snake groups flowing 1F1B-style.
+
+A step's M micro-batches are cut into M/G *snake groups* of G (``--snake-group-size``). A
+stage sweeps one group vertically through its units (forward_sweep), sends the group's
+outputs to the next stage, and later sweeps the group back (backward_sweep) with the
+gradients the next stage returns. Groups move through the stages exactly as micro-batches
+do in Megatron-Core's ``forward_backward_pipelining_without_interleaving``: stage s of p
+runs min(p - s - 1, M/G) warm-up forward groups, then alternates one forward and one
+backward group, then drains the remaining backward groups. Activations and their gradients
+cross stages through Megatron-Core's P2PCommunicator.
+
+The trade-off G sets: a stage loads its units' weights once per group per sweep, so weight
+traffic grows as M/G, while the pipeline bubble is about (p - 1) / (M/G + p - 1). With one
+stage and G = M this is pure GreedySnake (megatron_snake.schedule.vertical).
+
+Numbers: every micro-batch sees the module calls Megatron's schedules make, so losses are
+bit-identical; gradient sums run in another order (within float rounding).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.schedule.sweeps import backward_sweep, forward_sweep
+from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def check_microbatches(microbatches) -> None:
+    if not isinstance(microbatches, (list, tuple)) or not microbatches:
+        raise ValueError("vertical_forward_backward: microbatches must be a non-empty list of dicts")
+    for i, mb in enumerate(microbatches):
+        missing = [k for k in BATCH_KEYS if k not in mb]
+        if missing:
+            raise KeyError(f"micro-batch {i} lacks the GPT batch keys {missing} "
+                           f"(expected {list(BATCH_KEYS)})")
+
+
+def snake_groups(num_microbatches: int, group_size: int | None) -> list[list[int]]:
+    """Micro-batch ids cut into consecutive groups of ``group_size`` (default: one group)."""
+    size = num_microbatches if group_size is None else group_size
+    if not isinstance(size, int) or size < 1 or num_microbatches % size:
+        raise ValueError(f"--snake-group-size {group_size} must divide the number of "
+                         f"micro-batches per step ({num_microbatches}); pick a divisor")
+    return [list(range(g, g + size)) for g in range(0, num_microbatches, size)]
+
+
+def warmup_groups(stage: int, num_stages: int, num_groups: int) -> int:
+    """Forward groups a stage runs before its first backward group (Megatron's 1F1B)."""
+    return min(num_stages - stage - 1, num_groups)
+
+
+class _StageLinks:
+    """Sends and receives one group's tensors between neighbouring stages (a no-op on the
+    side of a stage that has no neighbour)."""
+
+    def __init__(self, config, tensor_shape):
+        self.first = parallel_state.is_pipeline_first_stage()
+        self.last = parallel_state.is_pipeline_last_stage()
+        self.shape = tensor_shape
+        self.p2p = None
+        if not (self.first and self.last):
+            self.p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+
+    def _shapes(self, group):
+        return [self.shape] * len(group)
+
+    @staticmethod
+    def _by_mb(group, tensors):
+        return None if tensors is None else dict(zip(group, tensors))
+
+    @staticmethod
+    def _in_order(group, by_mb):
+        return [by_mb[mb] for mb in group]
+
+    def recv_forward(self, group):
+        if self.first:
+            return None
+        return self._by_mb(group, self.p2p.recv_forward(self._shapes(group), False))
+
+    def send_forward(self, group, outputs):
+        if not self.last:
+            self.p2p.send_forward(self._in_order(group, outputs), False)
+
+    def send_forward_recv_backward(self, group, outputs, backward_group):
+        if self.last:
+            return None
+        grads = self.p2p.send_forward_recv_backward(self._in_order(group, outputs),
+                                                    self._shapes(backward_group), False)
+        return self._by_mb(backward_group, grads)
+
+    def recv_backward(self, group):
+        if self.last:
+            return None
+        return self._by_mb(group, self.p2p.recv_backward(self._shapes(group), False))
+
+    def send_backward(self, group, input_grads):
+        if not self.first:
+            self.p2p.send_backward(self._in_order(group, input_grads), False)
+
+    def send_backward_recv_forward(self, group, input_grads, next_group):
+        if self.first:
+            return None
+        received = self.p2p.send_backward_recv_forward(
+            self._in_order(group, input_grads), self._shapes(next_group), False)
+        return self._by_mb(next_group, received)
+
+
+def _stage_tensor_shape(units: GPTUnits, microbatches) -> tuple[int, int, int]:
+    """[sequence, micro-batch, hidden] of what crosses a stage boundary (sequence split
+    across tensor-parallel ranks under sequence parallelism)."""
+    batch, seq = microbatches[0]["tokens"].shape
+    if units.config.sequence_parallel:
+        seq //= parallel_state.get_tensor_model_parallel_world_size()
+    return (seq, batch, units.config.hidden_size)
+
+
+def snake_forward_backward(model, microbatches, *, group_size: int | None = None,
+                           checkpoint_interval: int = 1, forward_only: bool = False,
+                           store: UnitStore | None = None):
+    """Run one step's micro-batches on this pipeline stage in snake groups, 1F1B-style.
+
+    Every stage passes the same list of micro-batch dicts (the first stage reads tokens,
+    the last labels and loss mask). Returns the per-micro-batch losses in micro-batch order
+    on the last stage, an empty list elsewhere. Unless ``forward_only``, accumulates into
+    ``param.grad`` (or ``param.main_grad``) what Megatron's schedules accumulate, and calls
+    ``config.finalize_model_grads_func`` when it is set, as they do.
+    """
+    check_microbatches(microbatches)
+    units = GPTUnits(model, checkpoint_interval)
+    store = InMemoryStore() if store is None else store
+    config = units.config
+    groups = snake_groups(len(microbatches), group_size)
+    contexts = [units.context(mb) for mb in microbatches]
+    links = _StageLinks(config, _stage_tensor_shape(units, microbatches))
+    num_stages = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    rng_states: dict = {}
+    losses: dict = {}
+    total_tokens = torch.zeros([], dtype=torch.int)
+
+    def forward(group, inputs):
+        return forward_sweep(units, contexts, store, group, forward_only=forward_only,
+                             rng_states=rng_states, inputs=inputs)
+
+    def backward(index, output_grads):
+        nonlocal total_tokens
+        group_losses, tokens, input_grads = backward_sweep(
+            units, contexts, store, groups[index], rng_states=rng_states,
+            num_microbatches=len(microbatches), gradients_final=index == len(groups) - 1,
+            output_grads=output_grads)
+        losses.update(group_losses)
+        total_tokens += tokens
+        return input_grads
+
+    no_sync = getattr(config, "no_sync_func", None) or nullcontext
+    with no_sync():
+        if forward_only:
+            for group in groups:
+                outputs = forward(group, links.recv_forward(group))
+                if links.last:
+                    losses.update(outputs)
+                else:
+                    links.send_forward(group, outputs)
+        else:
+            _one_f_one_b(groups, warmup_groups(stage, num_stages, len(groups)), links,
+                         forward, backward)
+
+    if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        config.finalize_model_grads_func([model], total_tokens if per_token else None)
+    return [losses[mb] for mb in range(len(microbatches))] if links.last else []
+
+
+def _one_f_one_b(groups, num_warmup, links: _StageLinks, forward, backward) -> None:
+    """Megatron's non-interleaved 1F1B order, with a snake group where it has a micro-batch."""
+    for group in groups[:num_warmup]:
+        links.send_forward(group, forward(group, links.recv_forward(group)))
+    steady = len(groups) - num_warmup
+    inputs = links.recv_forward(groups[num_warmup]) if steady else None
+    for i in range(steady):
+        group = groups[num_warmup + i]
+        output_grads = links.send_forward_recv_backward(group, forward(group, inputs), groups[i])
+        input_grads = backward(i, output_grads)
+        if i == steady - 1:
+            links.send_backward(groups[i], input_grads)
+        else:
+            inputs = links.send_backward_recv_forward(groups[i], input_grads,
+                                                      groups[num_warmup + i + 1])
+    for i in range(steady, len(groups)):
+        links.send_backward(groups[i], backward(i, links.recv_backward(groups[i])))

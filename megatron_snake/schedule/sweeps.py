@@ -1,0 +1,116 @@
+"""The two sweeps of the vertical schedule over one group of micro-batches on one stage.
+
+Forward sweep, without autograd: each of the stage's units acquires its weights once and
+every micro-batch of the group passes through it; only unit inputs are kept, as
+checkpoints. The unit that ends the model (final norm, output layer, loss) is left to the
+backward sweep, where it runs once, fused with the loss. Backward sweep, last unit first:
+each unit is recomputed from its checkpoint with autograd and backpropagated with the
+gradient the unit above left behind.
+
+Snake order: unit u visits the group ascending when u is even, descending when odd, so the
+micro-batch that left a unit last is the first to enter the next one, in both sweeps.
+
+On a pipeline stage that does not start the model, unit 0's input checkpoint is what the
+previous stage sent, and the backward sweep returns its gradient to send back; on a stage
+that does not end the model, the forward sweep returns the last unit's outputs to send on,
+and the backward sweep starts from the gradients the next stage sent.
+
+Dropout: the RNG state is captured before each (unit, micro-batch) forward and replayed for
+its recompute, so the recompute draws the forward's masks.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.schedule import rng
+from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
+from megatron_snake.schedule.order import snake_order
+from megatron_snake.schedule.unit_store import UnitStore, compute_event, saved_tensors
+
+
+def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int], *,
+                  forward_only: bool, rng_states: dict, inputs: dict | None = None) -> dict:
+    """Run ``group`` (micro-batch ids) through the stage's units without autograd.
+
+    ``inputs``: micro-batch -> the tensor received from the previous stage (None on the
+    first stage). Returns micro-batch -> the stage's output: the last unit's hidden state on
+    a stage that does not end the model, the reported loss on one that does (forward-only;
+    in training the loss unit waits for the backward sweep and nothing is returned).
+    """
+    last = units.num_units - 1
+    ends_model = units.owns_head(last)
+    stop = last if (ends_model and not forward_only) else last + 1
+    for mb, received in (inputs or {}).items():
+        store.save_checkpoint(0, mb, received)
+    outputs = {}
+    for unit in range(stop):
+        store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None, for_backward=False)
+        for i in snake_order(unit, len(group)):
+            mb = group[i]
+            with compute_event(store, "F", unit, mb):
+                hidden = None if units.owns_embedding(unit) else store.load_checkpoint(unit, mb)
+                if not forward_only:  # the recompute will replay this unit's dropout
+                    rng_states[(unit, mb)] = rng.capture()
+                with torch.no_grad(), units.autocast():
+                    out = units.forward_unit(unit, hidden, contexts[mb])
+                if hidden is not None and forward_only:
+                    store.drop_checkpoint(unit, mb)  # no backward will read it
+                if unit < last:
+                    store.save_checkpoint(unit + 1, mb, out)
+                elif ends_model:
+                    loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
+                    outputs[mb] = reported_loss(loss, num_tokens)
+                else:
+                    outputs[mb] = out
+        store.release_unit(unit, gradients_final=False)
+    return outputs
+
+
+def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int], *,
+                   rng_states: dict, num_microbatches: int, gradients_final: bool,
+                   output_grads: dict | None = None):
+    """Recompute and backpropagate ``group`` through the stage's units, last unit first.
+
+    ``output_grads``: micro-batch -> gradient of the stage's output, from the next stage
+    (None on the stage that ends the model, whose last unit computes the loss here).
+    ``gradients_final``: this is the step's last visit of the units (the store may then
+    hand their gradients to the optimizer). Returns (losses, tokens, input_grads): the
+    reported losses and token count where the stage ends the model, and micro-batch ->
+    gradient of the stage's input where it does not start it.
+    """
+    last = units.num_units - 1
+    losses = {}
+    total_tokens = torch.zeros([], dtype=torch.int)
+    grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
+    for unit in range(last, -1, -1):
+        store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
+        for i in snake_order(unit, len(group)):
+            mb = group[i]
+            with compute_event(store, "B", unit, mb):
+                ctx = contexts[mb]
+                hidden = None
+                if not units.owns_embedding(unit):
+                    hidden = store.load_checkpoint(unit, mb).detach().requires_grad_(True)
+                # The loss unit runs here for the first time: nothing to replay.
+                state = rng_states.pop((unit, mb), None)
+                replay = rng.replay(state) if state is not None else nullcontext()
+                with replay, torch.enable_grad(), units.autocast(), saved_tensors(store):
+                    out = units.forward_unit(unit, hidden, ctx)
+                if units.owns_head(unit):
+                    loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])
+                    losses[mb] = reported_loss(loss, num_tokens)
+                    total_tokens += num_tokens
+                    torch.autograd.backward(scale_for_backward(loss, num_tokens,
+                                                               num_microbatches, units.config))
+                else:
+                    torch.autograd.backward(out, grad_tensors=grad_of_output.pop(mb))
+                del out
+                if hidden is not None:
+                    grad_of_output[mb] = hidden.grad
+                    store.drop_checkpoint(unit, mb)
+        store.release_unit(unit, gradients_final=gradients_final)
+    return losses, total_tokens, grad_of_output
