@@ -6,8 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from conftest import build_model, gradients, make_microbatches, tiny_args, zero_gradients
+from megatron_snake import vertical_forward_backward
+from megatron_snake.offload import activation_plan
+from megatron_snake.offload.activation_plan import (ActivationPlanner, PlannedCheckpoints,
+                                                    RecordingCheckpoints)
+from megatron_snake.offload.lifetimes import Event, LifetimeRecorder, Timeline
+from megatron_snake.offload.store import TensorStore
+from megatron_snake.schedule.unit_store import InMemoryStore
 from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.distributed import set_seed
 from megatron_snake.training.loop import pretrain
 
 DEMO = ["--train-iters", "4", "--snake-offload", "--hidden-dropout", "0.1",
@@ -42,3 +52,84 @@ def test_plan_budget_too_small_names_the_flag(megatron_world, tmp_path):
     with pytest.raises(ValueError, match="--snake-gpu-memory-limit"):
         pretrain(parse_args([*DEMO, "--snake-activation-tier", "auto",
                              "--snake-gpu-memory-limit", "2.6MiB"]))
+
+
+# ---------------------------------------------------------------- the plan in the schedule
+
+def _step(model, mbs, store):
+    """One vertical step over ``store``: (losses, gradients), the gradients cleared after."""
+    set_seed(11)
+    losses = vertical_forward_backward(model, mbs, checkpoint_interval=1, store=store)
+    grads = gradients(model)
+    zero_gradients(model)
+    return losses, grads
+
+
+def _planner(tensor_store, device, gpu_budget):
+    return ActivationPlanner(tensor_store, device, profile_iters=1, gpu_budget_bytes=gpu_budget,
+                             host_budget_bytes=0, plan_path=None, log=lambda *a: None)
+
+
+def test_reads_are_issued_at_the_plans_prefetch_events(megatron_world, tmp_path, monkeypatch):
+    """A drive that takes 2.5 one-second events to read a checkpoint: the plan prefetches
+    reads ahead of their use, and the schedule issues each read at exactly the event the
+    plan names (not a fixed lookahead); numbers stay bit-identical."""
+    model = build_model(tiny_args(), megatron_world)
+    mbs = make_microbatches(3)
+    one = 2 * 16 * 32 * 4                     # a checkpoint: [s, b, h] fp32
+    monkeypatch.setattr(activation_plan, "measure_tier_bandwidth",
+                        lambda store, nbytes: {"nvme": (one / 2.5, float("inf"))})
+    finish = LifetimeRecorder.finish
+
+    def one_second_events(self):
+        timeline, lifetimes = finish(self)
+        return Timeline([Event(e.name, 1.0) for e in timeline.events]), lifetimes
+
+    monkeypatch.setattr(LifetimeRecorder, "finish", one_second_events)
+    ref_losses, ref_grads = _step(model, mbs, InMemoryStore())
+    with TensorStore(tmp_path, rank=0, host_memory_limit=64 << 20) as tensor_store:
+        planner = _planner(tensor_store, megatron_world, gpu_budget=8 * one)
+        for step in range(2):                 # profile, then follow the plan
+            checkpoints = planner.step_store(len(mbs))
+            losses, grads = _step(model, mbs, checkpoints)
+            planner.after_step(checkpoints)
+            assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+            assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), step
+        assert isinstance(checkpoints, PlannedCheckpoints)
+    plan = planner.plan
+    planned = sorted((p, key) for key, pl in plan.placements.items() for p in pl.prefetch_at)
+    assert planned and sorted(checkpoints.prefetch_log) == planned
+    names = checkpoints.event_names
+    for key, pl in plan.placements.items():
+        for rel, pre in pl.offloads:   # a read takes 2.5 events: issued 3 or more before its use
+            use = next(i for i in range(rel + 1, len(names)) if names[i][1:] == key[1:])
+            assert rel < pre <= use - 3, (key, rel, pre, use)
+    assert checkpoints.peak["nvme"] > 0 and checkpoints.peak["gpu"] > 0, checkpoints.peak
+
+
+def test_plan_is_made_again_when_shapes_change(megatron_world, tmp_path):
+    """Sequence length 16, then 32, then fewer micro-batches: each change profiles again and
+    the new plan (sized for the new checkpoints) is the one the next steps follow."""
+    model = build_model(tiny_args("--seq-length", "32"), megatron_world)
+    with TensorStore(tmp_path, rank=0, host_memory_limit=64 << 20) as tensor_store:
+        planner = _planner(tensor_store, megatron_world, gpu_budget=None)
+        seen = []
+        for seq, num_mb in [(16, 3), (16, 3), (32, 3), (32, 3), (32, 3), (32, 2), (32, 2)]:
+            checkpoints = planner.step_store(num_mb)
+            _step(model, make_microbatches(num_mb, seq=seq), checkpoints)
+            seen.append((type(checkpoints), getattr(checkpoints, "plan", None)))
+            planner.after_step(checkpoints)
+            if len(seen) in (1, 4, 6):        # the profiled steps
+                seen[-1] += (planner.plan,)
+    kinds = [s[0] for s in seen]
+    assert kinds == [RecordingCheckpoints, PlannedCheckpoints, PlannedCheckpoints,
+                     RecordingCheckpoints, PlannedCheckpoints, RecordingCheckpoints,
+                     PlannedCheckpoints]
+    first, second, third = seen[0][2], seen[3][2], seen[5][2]
+    assert planner.plans_made == 3 and len({id(first), id(second), id(third)}) == 3
+    assert seen[1][1] is first and seen[2][1] is first   # the seq-32 step ran on the old plan
+    assert seen[4][1] is second and seen[6][1] is third
+    size = {p.nbytes for p in first.placements.values()}
+    assert size == {2 * 16 * 32 * 4} and {p.nbytes for p in second.placements.values()} == \
+        {2 * 32 * 32 * 4}
+    assert len(third.placements) == 4 * 2 and len(second.placements) == 4 * 3

@@ -99,6 +99,13 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
             ckpts.finish_step()
             opt.step()
             sched.step(increment=args.global_batch_size)
+        # Each unit's reduce-scatter is launched async and waited for only after the next
+        # unit's was launched, i.e. after that unit's backward: the collective overlapped it.
+        log = opt.collective_log
+        launched = [key for op, key in log if op == "launch"]
+        assert len(launched) == len(params.all_layouts()) > 1, log
+        for key, following in zip(launched, launched[1:]):
+            assert log.index(("wait", key)) > log.index(("launch", following)), log
         weights.load_all()
         opt.close()
         mine = os.path.join(root, f"rank{rank}")

@@ -195,3 +195,75 @@ def test_weight_bytes_from_nvme_per_step_vs_microbatches(megatron_world, tmp_pat
     for num_mb, nbytes in per_step.items():
         expected = sweep_pair if schedule == "vertical" else num_mb * sweep_pair
         assert 0.8 * expected <= nbytes <= expected, (schedule, num_mb, nbytes, expected)
+
+
+def _weights_from_nvme_per_step(model, batches, offload_dir, pinned):
+    """Train ``batches`` with units ``pinned`` on the device: NVMe bytes of weights read
+    per step, and the trained model."""
+    params = UnitParams.of(GPTUnits(model, 1))
+    with TensorStore(offload_dir, rank=0, host_memory_limit=256 << 20) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=LR, weight_decay=WD, alpha=0.25)
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32, pinned=pinned)
+        reads = []
+        for mbs in batches:
+            before = tstore.counters.by_kind["weights"]["nvme"][0]
+            store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", len(mbs),
+                                                       torch.device("cpu")), weights)
+            vertical_forward_backward(model, mbs, checkpoint_interval=1, store=store)
+            store.checkpoints.finish_step()
+            opt.step()
+            tstore.synchronize()
+            reads.append(tstore.counters.by_kind["weights"]["nvme"][0] - before)
+        weights.load_all()
+        opt.close()
+    return reads
+
+
+def test_pinned_units_are_not_read_from_nvme(megatron_world, tmp_path):
+    """Units pinned on the device are read from there, not from NVMe: fewer NVMe weight
+    bytes per step, and bit-identical weights after three steps."""
+    args = tiny_args("--untie-embeddings-and-output-weights")
+    batches = [make_microbatches(2, seed=s) for s in range(3)]
+    torch.use_deterministic_algorithms(True)
+    plain, pinned = build_model(args, megatron_world), build_model(args, megatron_world)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain_reads = _weights_from_nvme_per_step(plain, batches, tmp_path / "a", ())
+    pinned_reads = _weights_from_nvme_per_step(pinned, batches, tmp_path / "b", (1, 2, 3))
+    torch.use_deterministic_algorithms(False)
+    params = UnitParams.of(GPTUnits(plain, 1)).units
+    per_sweep_pair = 2 * 4 * sum(params[u].numel for u in (1, 2, 3))  # fp32, both sweeps
+    for a, b in zip(plain_reads, pinned_reads):
+        assert b <= a - 0.8 * per_sweep_pair and b > 0, (plain_reads, pinned_reads)
+    ref = dict(plain.named_parameters())
+    for name, p in pinned.named_parameters():
+        assert torch.equal(p.detach(), ref[name].detach()), name
+
+
+def test_memory_limit_pins_units_and_auto_tiers_pick_host(megatron_world, tmp_path, capfd):
+    """A generous --snake-gpu-memory-limit pins every unit (named in the start summary);
+    --snake-param-tier/--snake-optimizer-tier auto choose host under a large host limit and
+    nvme for what does not fit. Same losses every time."""
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    flags = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--deterministic-mode", "--snake-offload", "--snake-offload-dir", str(tmp_path)]
+    plain = pretrain(parse_args(flags))
+    out = capfd.readouterr().out
+    assert "pinned on the device: none" in out and "free space checked" in out
+    pinned = pretrain(parse_args([*flags, "--snake-gpu-memory-limit", "1GiB"]))
+    assert pinned == plain
+    out = capfd.readouterr().out
+    assert "pinned on the device: units [0, 1, 2]" in out, out
+    auto = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto"])
+    assert pretrain(auto) == plain
+    assert (auto.snake_param_tier, auto.snake_optimizer_tier) == ("host", "host")
+    tiny = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto",
+                       "--snake-host-memory-limit", "64MiB"])
+    from megatron_snake.training.offload import resolve_state_tiers
+    resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20)
+    assert (tiny.snake_param_tier, tiny.snake_optimizer_tier) == ("host", "nvme")

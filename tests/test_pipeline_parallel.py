@@ -72,6 +72,12 @@ def _compare_all(tp, pp, variants):
     from megatron_snake.training import distributed
     from megatron_snake.training.model import wrap_ddp
 
+    from megatron_snake.schedule import pipeline
+
+    in_flight_at_finish = []  # plain sends return at once; the step's end waits for them
+    finish = pipeline._StageLinks.finish
+    pipeline._StageLinks.finish = lambda links: (
+        in_flight_at_finish.append(len(links._in_flight)), finish(links))[1]
     device = distributed.resolve_device("cpu")
     distributed.initialize(device=device, tensor_model_parallel_size=tp,
                            pipeline_model_parallel_size=pp, seed=1234)
@@ -103,6 +109,8 @@ def _compare_all(tp, pp, variants):
                 assert ref.abs().max() > 0, f"{where} {name}: reference gradient is all zero"
                 rel = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
                 assert rel <= REL_TOL, f"{where} {name}: relative gradient error {rel:.2e}"
+    if pp > 1:  # every stage has a warm-up or cool-down send each step
+        assert in_flight_at_finish and min(in_flight_at_finish) >= 1, in_flight_at_finish
     distributed.shutdown()
 
 

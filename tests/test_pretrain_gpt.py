@@ -83,6 +83,8 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
     (["--snake-offlaod"], "--snake-offlaod"),
     (["--lr-warmup-iters", "20", "--train-iters", "20"], "--lr-warmup-iters"),
     (["--snake-alpha", "0.7"], "--snake-alpha"),
+    (["--snake-offload", "--snake-schedule", "horizontal", "--snake-activation-tier", "auto"],
+     "--snake-activation-tier"),
     (["--snake-param-tier", "device"], "--snake-param-tier"),
     (["--snake-activation-offload", "--snake-activation-tier", "device"],
      "--snake-activation-tier"),
@@ -227,12 +229,18 @@ def test_fp16_overflow_skips_the_same_steps(megatron_world):
     assert pretrain(parse_args([*flags, "--snake-offload"])) == pretrain(parse_args(flags))
 
 
-def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_path):
+def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_path, capfd):
     """--snake-offload --snake-activation-offload: the tensors autograd saves while a unit
-    is recomputed go to NVMe too; dropout on, every loss bit-identical."""
+    is recomputed go to NVMe too; dropout on, every loss bit-identical. The log line shows
+    both activation peaks per tier and the prefetch wait apart from other I/O waits."""
     flags = [*SMALL, "--train-iters", "3", "--deterministic-mode", "--hidden-size", "64",
              "--seq-length", "64", "--snake-offload", "--snake-offload-dir", str(tmp_path)]
     plain = pretrain(parse_args(flags))
+    capfd.readouterr()
     offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",
                                      "--snake-activation-offload-min-bytes", "4096"]))
     assert offloaded == plain
+    line = [l for l in capfd.readouterr().out.splitlines() if "iteration        3/" in l][0]
+    for part in ("checkpoints peak nvme", "saved tensors peak gpu", "prefetch wait",
+                 "other io wait"):
+        assert part in line, line

@@ -285,3 +285,59 @@ def test_read_racing_its_write_is_forwarded(store, monkeypatch):
     assert off.stats.forwarded >= 2 and off.stats.cancelled == off.stats.unique_writes
     assert store.counters.read["nvme"] == 0, "nothing was read back from the drive"
     _assert_all_released(store, off)
+
+
+# ------------------------------------------------------------------ counters
+
+def _sin_chain(off, steps=5):
+    """A chain of sins under ``off``: each saves its input, 4 records of 64 x 64 fp32."""
+    h = torch.randn(64, 64, requires_grad=True)
+    hs = []
+    with off:
+        x = h
+        for _ in range(steps):
+            x = x.sin()
+            hs.append(x)
+    return h, hs, x
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_peak_bytes_per_tier(store, depth):
+    """All 4 records are on the drive at once at the end of the forward; in backward the
+    device holds the record being used plus the ``depth`` read ahead of it."""
+    one = 64 * 64 * 4
+    off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES, prefetch_depth=depth)
+    _, _, out = _sin_chain(off)
+    off.synchronize()
+    assert off.peak == {"gpu": 0, "nvme": 4 * one} and off.live == off.peak
+    off.reset_peak()
+    out.sum().backward()
+    assert off.peak == {"gpu": (1 + depth) * one, "nvme": 4 * one}
+    assert off.live == {"gpu": 0, "nvme": 0}
+    _assert_all_released(store, off)
+
+
+@pytest.mark.parametrize("slow", ["drive", "compute"])
+def test_prefetch_wait_is_counted_only_when_a_prefetch_is_late(store, monkeypatch, slow):
+    """A drive slower than compute: backward blocks on prefetched reads (prefetch wait > 0).
+    Compute slower than the drive: every prefetch is in before its use (exactly 0)."""
+    import time
+
+    run_get = store._run_get
+    if slow == "drive":
+        monkeypatch.setattr(store, "_run_get", lambda *a, **kw: time.sleep(0.05) or
+                            run_get(*a, **kw))
+    off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES, prefetch_depth=1)
+    _, hs, out = _sin_chain(off)
+    off.synchronize()
+    if slow == "compute":
+        for x in hs[:-1]:
+            x.register_hook(lambda g: time.sleep(0.05))
+    out.sum().backward()
+    assert off.stats.prefetched == 3
+    if slow == "drive":
+        assert store.counters.prefetch_wait_s > 0.02
+    else:
+        assert store.counters.prefetch_wait_s == 0.0
+    assert store.counters.blocked_s >= store.counters.prefetch_wait_s
+    _assert_all_released(store, off)

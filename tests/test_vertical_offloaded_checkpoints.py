@@ -43,3 +43,51 @@ def test_offloaded_checkpoints_are_bit_identical(megatron_world, tmp_path, tier)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+def test_late_checkpoint_reads_count_as_prefetch_wait(megatron_world, tmp_path, monkeypatch):
+    """Reads issued ahead of use on a drive slower than compute: the time blocked on them
+    is counted as prefetch wait, and numbers do not change."""
+    import time
+
+    model = build_model(tiny_args(), megatron_world)
+    mbs = make_microbatches(3)
+    ref_losses = vertical_forward_backward(model, mbs, checkpoint_interval=1)
+    model.zero_grad(set_to_none=True)
+    with TensorStore(tmp_path, rank=0, host_memory_limit=256 << 20) as tensor_store:
+        run_get = tensor_store._run_get
+        monkeypatch.setattr(tensor_store, "_run_get", lambda *a, **kw: time.sleep(0.05) or
+                            run_get(*a, **kw))
+        store = OffloadedCheckpoints(tensor_store, "nvme", len(mbs), megatron_world)
+        losses = vertical_forward_backward(model, mbs, checkpoint_interval=1, store=store)
+        store.finish_step()
+        counters = tensor_store.counters
+        assert 0.05 < counters.prefetch_wait_s <= counters.blocked_s
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+
+
+def test_snake_groups_read_ahead_only_within_their_group(megatron_world, tmp_path):
+    """G = 2 of M = 4 on nvme: the numbers of the in-memory run, and a read ahead never
+    reaches into another group (every checkpoint is read when its group is swept, once per
+    sweep)."""
+    model = build_model(tiny_args(), megatron_world)
+    mbs = make_microbatches(4)
+    ref_losses = vertical_forward_backward(model, mbs, group_size=2)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with TensorStore(tmp_path, rank=0, host_memory_limit=256 << 20) as tensor_store:
+        store = OffloadedCheckpoints(tensor_store, "nvme", len(mbs), megatron_world)
+        sweeps, reads = [], []
+        begin = store.begin_group
+        store.begin_group = lambda group: sweeps.append(list(group)) or begin(group)
+        get = tensor_store.get
+        tensor_store.get = lambda key, **kw: reads.append((key, sweeps[-1])) or get(key, **kw)
+        losses = vertical_forward_backward(model, mbs, group_size=2, store=store)
+        store.finish_step()
+    assert sweeps == [[0, 1], [0, 1], [2, 3], [2, 3]], "forward, backward, per group"
+    assert all(key[2] in group for key, group in reads), reads
+    units = 5  # inputs of units 1..4 read in backward; of 1..3 in forward (4 is the loss unit)
+    assert len(reads) == (2 * (units - 1) - 1) * len(mbs), "each read once per sweep"
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n

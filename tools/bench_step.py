@@ -9,6 +9,15 @@ parameter); the bound is the in-place streaming bandwidth measured here (``x.mul
 bytes read + written per second, the same access pattern) / 28. Prints the ratios last;
 raw figures go to ``--json-out``.
 
+GPU part (only when CUDA is available): a GPT whose full training state (working weights,
+fp32 gradients, fp32 master weights and Adam moments) is at least ``--gpu-state-ratio`` (3)
+times the GPU memory it is given (``torch.cuda.set_per_process_memory_fraction``), trained
+with ``--snake-offload``, against the same model trained without offload (Megatron's
+schedule and optimizer) on the same GPU with no limit: tokens/s of each at the best of
+``--gpu-micro-batches``, their ratio, and the fraction of the optimizer step hidden behind
+compute (1 - time compute waited for an update / time the updates took). The ideal run must
+fit the whole GPU: keep the fraction times the ratio well below 1.
+
     python tools/bench_step.py --dir /nvme/scratch
 """
 
@@ -36,6 +45,7 @@ from megatron_snake.optim.unit_params import UnitParams  # noqa: E402
 from megatron_snake.schedule.horizontal import horizontal_forward_backward  # noqa: E402
 from megatron_snake.schedule.unit_store import CombinedStore  # noqa: E402
 from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
+from megatron_snake.models.gpt_units import unwrap_model  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
@@ -106,6 +116,110 @@ def bench_adamw(numel: int, repeats: int = 5):
             "adamw_params_per_s": rate, "bound_params_per_s": bound, "ratio": rate / bound}
 
 
+def gpt_flags(a, num_layers: int, num_mb: int) -> list[str]:
+    return ["--num-layers", str(num_layers), "--hidden-size", str(a.gpu_hidden),
+            "--num-attention-heads", str(a.gpu_hidden // 128), "--seq-length", str(a.gpu_seq),
+            "--micro-batch-size", str(a.gpu_micro_batch_size),
+            "--global-batch-size", str(a.gpu_micro_batch_size * num_mb), "--bf16",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--untie-embeddings-and-output-weights", "--snake-alpha", str(a.alpha)]
+
+
+def layers_for_state(a, device_budget: int) -> int:
+    """Fewest layers whose training state is >= gpu_state_ratio x device_budget: bf16
+    weights 2 + fp32 gradient 4 + fp32 master and moments 12 bytes per parameter."""
+    per_layer = 12 * a.gpu_hidden ** 2 + 13 * a.gpu_hidden
+    return max(1, -(-int(a.gpu_state_ratio * device_budget) // (18 * per_layer)))
+
+
+def train_tokens_per_s(args, device, *, offload: bool, store_dir: str, steps: int,
+                       warmup: int, vocab: int = 32768) -> dict:
+    """Train ``args``' GPT for warmup + steps on random tokens: tokens/s over the last
+    ``steps``, peak device memory, and (offload) the optimizer's update and wait seconds."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_snake.training import offload as offload_setup
+    from megatron_snake.training.model import wrap_ddp
+    from megatron_snake.training.optimizer import build_optimizer
+    from megatron_snake.training.schedules import make_forward_backward
+
+    cuda = device.type == "cuda"   # the CPU runs it too, as a smoke test of this code
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    args.snake_offload, args.snake_offload_dir = offload, store_dir
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    gpt = build_gpt_model(args, vocab, device)
+    gpt = Float16Module(gpt.config, gpt)
+    with offload_setup.open_store(args, device, 0) as tstore:
+        if offload:
+            state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, device)
+            model, opt = gpt, state.optimizer
+            forward_backward = make_forward_backward(args, tstore, device, state.weights)
+        else:
+            model = wrap_ddp(gpt)
+            opt, _ = build_optimizer(args, model)
+            config = unwrap_model(gpt).config
+            config.no_sync_func, config.finalize_model_grads_func = model.no_sync, \
+                finalize_model_grads
+            config.grad_scale_func = opt.scale_loss
+            forward_backward = make_forward_backward(args)
+        start = update_s = blocked_s = None
+        for step in range(warmup + steps):
+            if step == warmup:
+                sync()
+                start = time.perf_counter()
+                update_s, blocked_s = getattr(opt, "update_s", 0), getattr(opt, "blocked_s", 0)
+            mbs = random_microbatches(args.num_microbatches, args.micro_batch_size,
+                                      args.seq_length, vocab, seed=step, device=device)
+            if hasattr(model, "zero_grad_buffer"):
+                model.zero_grad_buffer()
+            opt.zero_grad()
+            forward_backward(model, mbs)
+            opt.step()
+        sync()
+        elapsed = time.perf_counter() - start
+        out = {"tokens_per_s": steps * args.global_batch_size * args.seq_length / elapsed,
+               "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0}
+        if offload:
+            update = opt.update_s - update_s
+            out["hidden_fraction"] = 1.0 - (opt.blocked_s - blocked_s) / max(update, 1e-9)
+            opt.flush()
+            opt.close()
+    return out
+
+
+def bench_gpu(a, device, root) -> dict:
+    """Offloaded under a memory fraction vs the ideal (no offload, no limit), per M."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(a.gpu_fraction * total)
+    layers = layers_for_state(a, budget)
+    rows = []
+    for num_mb in [int(x) for x in a.gpu_micro_batches.split(",")]:
+        args = parse_args(gpt_flags(a, layers, num_mb))
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(a.gpu_fraction, device)
+        snake = train_tokens_per_s(args, device, offload=True, store_dir=root,
+                                   steps=a.steps, warmup=a.warmup)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        ideal = train_tokens_per_s(parse_args(gpt_flags(a, layers, num_mb)), device,
+                                   offload=False, store_dir=root, steps=a.steps,
+                                   warmup=a.warmup)
+        rows.append({"micro_batches": num_mb, "offloaded": snake, "ideal": ideal})
+        print(f"GPU M {num_mb:3d}: offloaded {snake['tokens_per_s']:9.0f} tokens/s (peak "
+              f"{snake['peak_bytes'] / 2**30:.1f} GiB of {budget / 2**30:.1f}), ideal "
+              f"{ideal['tokens_per_s']:9.0f} tokens/s (peak {ideal['peak_bytes'] / 2**30:.1f} "
+              f"GiB), optimizer step hidden {snake['hidden_fraction']:.1%}", flush=True)
+    best_snake = max(rows, key=lambda r: r["offloaded"]["tokens_per_s"])
+    best_ideal = max(r["ideal"]["tokens_per_s"] for r in rows)
+    params = layers * (12 * a.gpu_hidden ** 2 + 13 * a.gpu_hidden)
+    return {"layers": layers, "params": params, "state_bytes": 18 * params,
+            "device_budget_bytes": budget, "rows": rows,
+            "ratio_tokens_per_s": best_snake["offloaded"]["tokens_per_s"] / best_ideal,
+            "hidden_fraction": best_snake["offloaded"]["hidden_fraction"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +234,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--adamw-numel", type=int, default=64 << 20)
     p.add_argument("--json-out", default="bench_step.json")
+    g = p.add_argument_group("GPU part (run only when CUDA is available)")
+    g.add_argument("--gpu-fraction", type=float, default=0.1,
+                   help="fraction of GPU memory the offloaded run may use")
+    g.add_argument("--gpu-state-ratio", type=float, default=3.0,
+                   help="training state / device memory given: sets the number of layers")
+    g.add_argument("--gpu-hidden", type=int, default=4096)
+    g.add_argument("--gpu-seq", type=int, default=2048)
+    g.add_argument("--gpu-micro-batch-size", type=int, default=1)
+    g.add_argument("--gpu-micro-batches", default="8,16",
+                   help="M values tried; the best tokens/s of each run is compared")
     a = p.parse_args(argv)
     device = distributed.resolve_device("auto")
     distributed.initialize(device=device, seed=1234)
@@ -145,12 +269,18 @@ def main(argv=None) -> int:
     v = next(r for r in results if r["schedule"] == "vertical" and r["micro_batches"] == largest)
     h = next(r for r in results if r["schedule"] == "horizontal" and r["micro_batches"] == largest)
     ratio = v["step_s"] / h["step_s"]
+    gpu = bench_gpu(a, device, root) if torch.cuda.is_available() else None
     with open(a.json_out, "w") as f:
         json.dump({"device": str(device), "args": vars(a), "steps": results, "adamw": adamw,
-                   "ratio_vertical_over_horizontal": ratio}, f, indent=1)
+                   "ratio_vertical_over_horizontal": ratio, "gpu": gpu}, f, indent=1)
     distributed.shutdown()
     print(f"ratio vertical/horizontal step time at M={largest}: {ratio:.3f} | "
-          f"ratio AdamW rate / memory bound: {adamw['ratio']:.3f}")
+          f"ratio AdamW rate / memory bound: {adamw['ratio']:.3f}"
+          + ("" if gpu is None else
+             f" | GPU ({gpu['params'] / 1e9:.2f}B parameters, state "
+             f"{gpu['state_bytes'] / gpu['device_budget_bytes']:.1f}x the device memory "
+             f"given): ratio tokens/s offloaded / ideal {gpu['ratio_tokens_per_s']:.3f}, "
+             f"optimizer step hidden {gpu['hidden_fraction']:.1%}"))
     return 0
 
 

@@ -41,10 +41,6 @@ class GPTUnits:
                 f"--snake-checkpoint-interval must be an integer >= 1, got {checkpoint_interval!r}")
         self.gpt = unwrap_model(model)
         config = self.gpt.config
-        if config.sequence_parallel:
-            raise NotImplementedError(
-                "megatron_snake: --sequence-parallel is not supported by the vertical schedule yet; "
-                "run without it")
         if getattr(config, "mtp_num_layers", None):
             raise NotImplementedError("megatron_snake: multi-token prediction is not supported")
         if getattr(config, "recompute_granularity", None) is not None:

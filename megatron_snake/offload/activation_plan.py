@@ -6,8 +6,9 @@ compute events and each checkpoint's production and uses are recorded. Then the 
 bandwidth is measured through the store, and ``make_plan`` decides, within the GPU budget
 (``--snake-gpu-memory-limit`` less the largest unit's working set; unlimited without the
 flag, so nothing is offloaded that need not be) and the host budget, which checkpoints stay
-in memory, which go to host memory and which to NVMe. The plan is printed and written as
-JSON; it is made again when the checkpoints' shapes change.
+in memory, which go to host memory and which to NVMe, and at which compute event each read
+back is issued (``PlannedCheckpoints``). The plan is printed and written as JSON; it is made
+again when the checkpoints' shapes or the number of micro-batches change.
 """
 
 from __future__ import annotations
@@ -46,6 +47,40 @@ class RecordingCheckpoints(OffloadedCheckpoints):
         return super().load_checkpoint(unit, microbatch)
 
 
+class PlannedCheckpoints(OffloadedCheckpoints):
+    """Checkpoints placed by ``plan``, each read issued at the start of the compute event the
+    plan prefetches it at (its ``prefetch_at``), counted along the profiled timeline
+    ``event_names``. No fixed lookahead: a read the plan does not schedule (a checkpoint it
+    did not see, or a timeline that went another way) is issued at its use."""
+
+    def __init__(self, plan, event_names, store, num_microbatches: int, device):
+        super().__init__(store, plan_tier(plan), num_microbatches, device, lookahead=0)
+        self.plan, self.event_names = plan, list(event_names)
+        self._prefetch_at: dict = {}     # event index -> [checkpoint key]
+        for key, placement in plan.placements.items():
+            for event in placement.prefetch_at:
+                self._prefetch_at.setdefault(event, []).append(key)
+        self._event = 0
+        self.prefetch_log = []           # (event index, key) of every planned read issued
+
+    @contextmanager
+    def compute_event(self, sweep, unit, microbatch):
+        index, self._event = self._event, self._event + 1
+        on_plan = index < len(self.event_names) and \
+            self.event_names[index] == (sweep, unit, microbatch)
+        for key in self._prefetch_at.get(index, ()) if on_plan else ():
+            _, ckpt_unit, mb = key
+            if (ckpt_unit, mb) not in self._reads and key in self.store:
+                self._reads[(ckpt_unit, mb)] = self.store.get(key, device=self.device)
+                self.prefetch_log.append((index, key))
+        yield
+
+
+def plan_tier(plan):
+    """The plan's tier of a checkpoint key; NVMe for a key the plan has not seen."""
+    return lambda key: plan.placements[key].tier if key in plan.placements else "nvme"
+
+
 class ActivationPlanner:
     """Hands the schedule a checkpoint store per training step: recording ones first, then
     ones that follow the plan."""
@@ -57,20 +92,29 @@ class ActivationPlanner:
         self.gpu_budget = gpu_budget_bytes if gpu_budget_bytes is not None else UNLIMITED
         self.host_budget = host_budget_bytes
         self.plan = None
+        self.plans_made = 0
         self._shapes = None
         self._restart()
 
     def _restart(self):
         self.recorder, self._profiled, self.plan = LifetimeRecorder(), 0, None
+        self._event_names, self._microbatches = [], None
 
     def step_store(self, num_microbatches: int, *, forward_only: bool = False):
         if forward_only:  # evaluation: a different timeline, not profiled
-            tier_of = self.plan.tier if self.plan else "nvme"
+            tier_of = plan_tier(self.plan) if self.plan else "nvme"
             return OffloadedCheckpoints(self.store, tier_of, num_microbatches, self.device)
+        if self.plan is not None and num_microbatches != self._microbatches:
+            self.log(f"> {num_microbatches} micro-batches instead of {self._microbatches}: "
+                     "profiling again for a new activation plan")
+            self._restart()
+            self._shapes = None
         if self.plan is None:
+            self._microbatches = num_microbatches
             return RecordingCheckpoints(self.recorder, self.store, "nvme", num_microbatches,
                                         self.device)
-        return OffloadedCheckpoints(self.store, self.plan.tier, num_microbatches, self.device)
+        return PlannedCheckpoints(self.plan, self._event_names, self.store, num_microbatches,
+                                  self.device)
 
     def after_step(self, checkpoints) -> None:
         checkpoints.finish_step()
@@ -81,7 +125,9 @@ class ActivationPlanner:
             return
         if isinstance(checkpoints, RecordingCheckpoints):
             if self._shapes is not None and checkpoints.shapes != self._shapes:
-                self._restart()  # shapes changed while profiling: start again
+                self._restart()  # shapes changed while profiling: start over next step
+                self._shapes = None
+                return
             self._shapes = checkpoints.shapes
             self.recorder.step()
             self._profiled += 1
@@ -90,10 +136,12 @@ class ActivationPlanner:
 
     def _make_plan(self) -> None:
         timeline, lifetimes = self.recorder.finish()
+        self._event_names = [e.name for e in timeline.events]
         largest = max((lt.nbytes for lt in lifetimes), default=1 << 20)
         bandwidth = measure_tier_bandwidth(self.store, nbytes=max(largest, 1 << 20))
         self.plan = make_plan(lifetimes, timeline, gpu_budget_bytes=self.gpu_budget,
                               host_budget_bytes=self.host_budget, bandwidth=bandwidth)
+        self.plans_made += 1
         self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
                  f"{self.plan.summary()}")
         if self.plan_path:

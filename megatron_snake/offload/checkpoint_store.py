@@ -3,7 +3,8 @@
 Implements the schedule's ``UnitStore`` interface (megatron_snake/schedule/unit_store.py)
 for activations: a checkpoint is written to its tier (``host`` or ``nvme``, or per key by a
 placement plan, which may also keep it in memory) as soon as a unit produces it, and read
-back ahead of use, ``lookahead`` micro-batches ahead in snake order. The first micro-batch
+back ahead of use, ``lookahead`` micro-batches ahead in snake order (or, under a plan, at
+the plan's prefetch points: activation_plan.PlannedCheckpoints). The first micro-batch
 into a unit is the one that just left the previous unit; its read is served from memory
 while its write is still in flight (the store forwards it). Unit weights are another store's
 concern (megatron_snake/offload/unit_weights.py).
@@ -30,6 +31,7 @@ class OffloadedCheckpoints:
         self.tier_of = tier if callable(tier) else (lambda key: tier)
         self.store, self.device = store, device
         self.num_microbatches, self.lookahead = num_microbatches, lookahead
+        self._group = list(range(num_microbatches))  # the sweep's micro-batches
         self._writes = []    # put handles: waited at the end of the step so errors surface
         self._reads = {}     # (unit, mb) -> get handle issued ahead of use
         self._kept = {}      # key -> tensor the plan keeps in memory
@@ -43,7 +45,7 @@ class OffloadedCheckpoints:
 
     def _read_ahead(self, unit: int, after: int | None):
         """Issue reads for the next ``lookahead`` checkpoints of ``unit`` in snake order."""
-        order = list(snake_order(unit, self.num_microbatches))
+        order = [self._group[i] for i in snake_order(unit, len(self._group))]
         start = 0 if after is None else order.index(after) + 1
         for mb in order[start:start + self.lookahead]:
             if (unit, mb) not in self._reads and self._key(unit, mb) in self.store:
@@ -67,10 +69,11 @@ class OffloadedCheckpoints:
         if kept is not None:
             return kept
         handle = self._reads.pop((unit, microbatch), None)
+        prefetched = handle is not None
         if handle is None:
             handle = self.store.get(self._key(unit, microbatch), device=self.device)
         self._read_ahead(unit, after=microbatch)
-        return handle.wait()
+        return handle.wait(prefetched=prefetched)
 
     def drop_checkpoint(self, unit, microbatch):
         key = self._key(unit, microbatch)
@@ -79,9 +82,14 @@ class OffloadedCheckpoints:
         if self._kept.pop(key, None) is None:
             self.store.delete(key)
 
+    def begin_group(self, group):
+        """The micro-batches the next sweep visits (a snake group): reads run ahead within
+        it only."""
+        self._group = list(group)
+
     def acquire_unit(self, unit, *, next_unit, for_backward):
-        if unit > 0:
-            self._read_ahead(unit, after=None)
+        self._read_ahead(unit, after=None)  # unit 0 too: on a later pipeline stage it has
+        # checkpoints (what the previous stage sent); on the first, none to read
 
     def release_unit(self, unit, *, gradients_final):
         pass

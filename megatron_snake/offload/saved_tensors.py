@@ -29,6 +29,9 @@ Built on ``torch.autograd.graph.saved_tensors_hooks``:
   freed otherwise). "Cancelled" here means: an entry whose consumers all finished before
   its write completed is never read from the tier; its delete is queued behind the write
   (the store cannot abort a started write), so the space is freed as soon as it lands.
+- **counters**: ``stats`` (saves, writes, dedup hits, reads...), ``live``/``peak`` bytes
+  per tier (entries on the tier; read-back copies on the compute device, "gpu"), and reads
+  issued ahead are waited on as prefetches (the store's ``prefetch_wait_s``).
 
 Bit-exact: bytes are copied, never converted, and the store checksums its records.
 Like autograd, an in-place change to a saved tensor is refused at unpack (when the tensor
@@ -77,6 +80,7 @@ class _Stored:
     index: int                   # position in pack order
     refs: int = 0                # live _Saved records pointing here
     fetch: object = None         # the store's get Handle once read back is issued
+    prefetched: bool = False     # that read was issued ahead of the entry's unpack
 
 
 @dataclass(eq=False)
@@ -115,6 +119,10 @@ class SavedTensorOffloader:
         self._live = 0
         self._seq = 0
         self._writes = collections.deque()  # put handles not yet known to be done
+        # Bytes this offloader holds per tier: stored entries on `tier`, read-back copies on
+        # the compute device ("gpu"); and the most of each since reset_peak().
+        self.live = {"gpu": 0, tier: 0}
+        self.peak = dict(self.live)
         self._hooks = []
 
     # ------------------------------------------------------------------ public API
@@ -144,6 +152,15 @@ class SavedTensorOffloader:
 
     def live_entries(self) -> int:
         return self._live
+
+    def reset_peak(self):
+        """Start a new peak (per training step) from what is held now."""
+        with self._lock:
+            self.peak = dict(self.live)
+
+    def _hold(self, tier, nbytes):
+        self.live[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.live[tier])
 
     # ------------------------------------------------------------------ hooks
 
@@ -189,7 +206,7 @@ class SavedTensorOffloader:
             if entry.fetch is None:
                 self._fetch(entry)
             self._prefetch_before(entry)
-        data = entry.fetch.wait()           # the whole storage as flat uint8
+        data = entry.fetch.wait(prefetched=entry.prefetched)   # the storage as flat uint8
         return torch.empty(0, dtype=saved.dtype, device=data.device).set_(
             data.untyped_storage(), saved.offset, saved.shape, saved.stride)
 
@@ -207,6 +224,7 @@ class SavedTensorOffloader:
         self._order.append(entry)
         self._writes.append(put)
         self._live += 1
+        self._hold(self.tier, entry.nbytes)
         self.stats.unique_writes += 1
         self.stats.bytes_written += entry.nbytes
         return entry
@@ -215,6 +233,7 @@ class SavedTensorOffloader:
         if not entry.put.done():
             self.stats.forwarded += 1
         entry.fetch = self.store.get(entry.key, device=entry.device)
+        self._hold("gpu", entry.nbytes)
         self.stats.bytes_read += entry.nbytes
 
     def _prefetch_before(self, entry: _Stored):
@@ -229,6 +248,7 @@ class SavedTensorOffloader:
             seen += 1
             if e.fetch is None:
                 self._fetch(e)
+                e.prefetched = True
                 self.stats.prefetched += 1
 
     def _release(self, entry: _Stored):
@@ -240,7 +260,10 @@ class SavedTensorOffloader:
                 del self._by_slot[entry.slot]
             if not entry.put.done():
                 self.stats.cancelled += 1     # consumed from memory; the tier copy is unused
+            if entry.fetch is not None:
+                self._hold("gpu", -entry.nbytes)
             entry.fetch = None              # drop the read-back copy
+            self._hold(self.tier, -entry.nbytes)
             self._live -= 1
             self.store.delete(entry.key)    # queued behind the write
             if len(self._order) > 64 and self._live < len(self._order) // 2:

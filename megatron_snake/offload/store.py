@@ -58,10 +58,14 @@ class Handle:
     def done(self):
         return self._future.done()
 
-    def wait(self):
+    def wait(self, prefetched=False):
+        """The result, once done. ``prefetched``: this read was issued ahead of its use, so
+        any time blocked here is also counted as waiting for a prefetch (it arrived late)."""
+        if self._future.done():        # nothing to wait for: count no time
+            return self._future.result()
         t0 = time.perf_counter()
         result = self._future.result()
-        self._store.counters.add_blocked(time.perf_counter() - t0)
+        self._store.counters.add_blocked(time.perf_counter() - t0, prefetched)
         return result
 
 
@@ -86,6 +90,7 @@ class Counters:
     written: dict = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     requests: int = 0
     blocked_s: float = 0.0
+    prefetch_wait_s: float = 0.0   # the part of blocked_s spent on reads issued ahead of use
     queue_depth: int = 0
     max_queue_depth: int = 0
     # kind -> tier -> [bytes read, bytes written]: which state moved (weights, optim, ...)
@@ -104,9 +109,11 @@ class Counters:
                 per_tier[0] += nread
                 per_tier[1] += nwritten
 
-    def add_blocked(self, seconds):
+    def add_blocked(self, seconds, prefetched=False):
         with self._lock:
             self.blocked_s += seconds
+            if prefetched:
+                self.prefetch_wait_s += seconds
 
     def inflight(self, delta):
         with self._lock:

@@ -8,7 +8,8 @@ reads both records into one device buffer and points the parameters at views of 
 ``release_unit`` drops the buffer. While a unit is acquired for backward, each parameter's
 gradient is added into an fp32 buffer (Megatron's ``main_grad`` arithmetic) by a
 post-accumulate hook, and on release that buffer goes to the optimizer. Shared (tied)
-parameters stay on the device.
+parameters stay on the device, and so do the records of the ``pinned`` units (the store's
+gpu tier): what the device memory limit leaves room for is not re-read from the drive.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from megatron_snake.optim.unit_params import SHARED, UnitParams
 
 class OffloadedUnits:
     def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
-                 dtype: torch.dtype, tier: str = "nvme"):
+                 dtype: torch.dtype, tier: str = "nvme", pinned=()):
         """Moves the parameters' values into the store. Build ``optimizer`` first: it
         takes its fp32 master copy from the parameters; it then publishes its updated
-        weights here."""
+        weights here. ``pinned``: units whose records stay on the compute device."""
         self.params, self.store, self.device = unit_params, store, device
         self.dtype, self.alpha, self.tier = dtype, optimizer.alpha, tier
+        self.pinned = frozenset(pinned)
         self.dp = optimizer.dp
         self.optimizer = optimizer
         optimizer.on_weights = self.publish
@@ -36,7 +38,8 @@ class OffloadedUnits:
         for lay in unit_params.units:
             flat = lay.gather(dtype=dtype)
             for part, (lo, hi) in self.record_parts(lay):
-                store.put(("w", lay.key, part), flat[lo:hi], tier=tier, kind="weights")
+                store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
+                          kind="weights")
             self._release_weights(lay)
         for lay in unit_params.all_layouts():
             for seg in lay.segments:
@@ -57,6 +60,16 @@ class OffloadedUnits:
             self._grad_views[id(seg.param)] = buf[seg.offset:seg.offset + seg.numel]
 
     # --- weights -------------------------------------------------------------------------
+    def tier_of(self, key) -> str:
+        """Where the working-weight records of layout ``key`` live."""
+        return "gpu" if key in self.pinned else self.tier
+
+    def pinned_bytes(self) -> int:
+        """Device bytes the pinned units' records hold (this rank's shards)."""
+        return sum(hi - lo for lay in self.params.units if lay.key in self.pinned
+                   for _, (lo, hi) in self.record_parts(lay)) * \
+            torch.tensor([], dtype=self.dtype).element_size()
+
     def _release_weights(self, lay) -> None:
         for seg in lay.segments:
             seg.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -78,7 +91,8 @@ class OffloadedUnits:
 
     def publish(self, key, part: str, master: torch.Tensor) -> None:
         """The optimizer's callback (on its worker): new working weights for one part."""
-        self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier, kind="weights")
+        self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier_of(key),
+                       kind="weights")
         if key == SHARED:
             self._shared_stale = True
 
@@ -101,7 +115,7 @@ class OffloadedUnits:
                 self.optimizer.start_update(lay.key)  # runs while this unit computes
         lay = self.params.units[unit]
         flat = self._read_flat(lay)
-        if self.tier == "nvme":  # drop the host copies a prefetch made: the pool is bounded
+        if self.tier_of(unit) == "nvme":  # drop a prefetch's host copies: the pool is bounded
             for part in PARTS:
                 if ("w", unit, part) in self.store:
                     self.store.evict(("w", unit, part), tier="nvme")
@@ -113,7 +127,7 @@ class OffloadedUnits:
                 self._start_gradients(self.params.shared)
         # Prefetch the next unit, unless an update is about to replace its weights (the
         # update's write is then read back, or served from memory while still in flight).
-        if next_unit is not None and self.tier == "nvme" and \
+        if next_unit is not None and self.tier_of(next_unit) == "nvme" and \
                 not self.optimizer.pending(self.params.units[next_unit].key):
             for part in PARTS:
                 if ("w", next_unit, part) in self.store:
@@ -154,7 +168,7 @@ class OffloadedUnits:
                 continue
             flat = torch.cat([state[n].reshape(-1).to(self.dtype) for n in names])
             for part, (lo, hi) in self.record_parts(lay):
-                self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier,
+                self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
                                kind="weights")
         rest = {k: v for k, v in state.items() if k not in offloaded}
         missing, unexpected = module.load_state_dict(rest, strict=False)

@@ -16,6 +16,22 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass
+class PendingShard:
+    """A launched reduce-scatter: ``work`` is torch.distributed's handle (None when there
+    was nothing to reduce); ``keep`` holds the send buffer alive until it completes."""
+
+    work: object
+    shard: torch.Tensor
+    keep: object = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.keep = None
+        return self.shard
+
+
 @dataclass(frozen=True)
 class DataParallel:
     rank: int = 0
@@ -40,15 +56,20 @@ class DataParallel:
 
     def reduce_scatter_mean(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the data-parallel mean of ``full`` (a flat gradient)."""
+        return self.reduce_scatter_mean_async(full).wait()
+
+    def reduce_scatter_mean_async(self, full: torch.Tensor) -> "PendingShard":
+        """Launch the reduce-scatter of ``full`` and return at once (``async_op``), so the
+        collective runs while the caller computes; ``wait()`` gives this rank's shard."""
         if self.size == 1:
-            return full
+            return PendingShard(None, full)
         start, end, per = self.shard(full.numel())
         padded = torch.zeros(per * self.size, dtype=full.dtype, device=full.device)
         padded[:full.numel()] = full
         padded.mul_(1.0 / self.size)  # Megatron's gradient_scaling_factor, before the sum
         local = torch.empty(per, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(local, padded, group=self.group)
-        return local[:end - start]
+        work = dist.reduce_scatter_tensor(local, padded, group=self.group, async_op=True)
+        return PendingShard(work, local[:end - start], keep=padded)
 
     def all_gather(self, local: torch.Tensor, numel: int) -> torch.Tensor:
         """The full flat from every rank's shard."""

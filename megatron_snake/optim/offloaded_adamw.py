@@ -19,10 +19,13 @@ parameters into segments changes no bit. Weight decay follows Megatron (none on 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
@@ -52,13 +55,20 @@ class OffloadedAdamW:
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
-                 on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None):
+                 on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
+                 model_parallel_group=None):
         if not 0.0 <= alpha <= 0.5:
             raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.clip_grad, self.alpha, self.dp = clip_grad, alpha, dp
+        # Under TP / PP the norm and the overflow flag are reduced over the model-parallel
+        # group too, and a parameter every TP rank holds whole counts once (Megatron's rule).
+        self.model_parallel_group = model_parallel_group
+        self._in_norm = {seg.index for lay in self.layouts.values() for seg in lay.segments
+                         if model_parallel_group is None
+                         or param_is_not_tensor_parallel_duplicate(seg.param)}
         # fp16: Megatron's loss scaler. Gradients arrive scaled, and whether any of them
         # overflowed is known only at the step boundary, so every update waits for it.
         self.grad_scaler = grad_scaler
@@ -74,6 +84,11 @@ class OffloadedAdamW:
         self._clip_coef: torch.Tensor | None = None
         self._deferred: dict = {}    # (key, part) -> StepHyper, waiting for the next forward
         self._running: dict = {}     # (key, part) -> Future on the worker
+        self._reducing: list = []    # [(key, PendingShard)]: reduce-scatters in flight
+        self.collective_log: list = []  # this step's ("launch"|"wait", key), in order
+        # Seconds the worker spent updating, and seconds the caller waited for an update it
+        # needed: 1 - blocked_s / update_s of the step is hidden behind compute.
+        self.update_s = self.blocked_s = 0.0
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
         for key, lay in self.layouts.items():
@@ -97,15 +112,35 @@ class OffloadedAdamW:
     # --- backward sweep ----------------------------------------------------------------
     def gradient_ready(self, key, grad: torch.Tensor) -> None:
         """``grad`` (the whole flat, fp32, any device) is this rank's final gradient of
-        layout ``key`` for this step: averaged over data-parallel ranks here (a collective:
-        every rank calls this in the same order). Runs the backward part now unless
-        clipping needs the global norm."""
+        layout ``key`` for this step. Data parallel: its reduce-scatter (a collective:
+        every rank calls this in the same order) is launched here and waited for at the
+        next unit's gradient, so it runs during that unit's backward. Then the backward
+        part runs at once unless clipping needs the global norm."""
         if self._hyper is None:
             self._hyper = StepHyper(self.iteration + 1, self.param_groups[0]["lr"],
                                     self.param_groups[0]["weight_decay"])
+            self.collective_log = []
+        pending = self.dp.reduce_scatter_mean_async(grad.detach().float())
+        if self.dp.size == 1:  # nothing in flight: use the gradient now
+            self._gradient_shard(key, pending.wait())
+            return
+        self.collective_log.append(("launch", key))
+        self._drain_reductions()
+        self._reducing.append((key, pending))
+
+    def _drain_reductions(self) -> None:
+        """Wait for the launched reduce-scatters, oldest first, and use their shards."""
+        while self._reducing:
+            key, pending = self._reducing.pop(0)
+            shard = pending.wait()
+            self.collective_log.append(("wait", key))
+            self._gradient_shard(key, shard)
+
+    def _gradient_shard(self, key, shard: torch.Tensor) -> None:
+        """This rank's shard of the averaged gradient of ``key``: to the grad records, its
+        norms noted, and the backward part's update started when it may run now."""
         lay = self.layouts[key]
         start, end, _ = self.dp.shard(lay.numel)
-        shard = self.dp.reduce_scatter_mean(grad.detach().float())
         shard = shard.to("cpu", torch.float32, copy=True)
         if self.grad_scaler is not None:
             self._found_inf.fill_(max(float(self._found_inf), float(not shard.isfinite().all())))
@@ -129,8 +164,12 @@ class OffloadedAdamW:
     def step(self):
         """The step boundary: the global gradient norm is known now. Returns Megatron's
         (update_successful, grad_norm, num_zeros_in_grad)."""
+        self._drain_reductions()  # the last unit's gradient: the end of the backward sweep
         if self.grad_scaler is not None:
-            found_inf = bool(self.dp.max(self._found_inf)[0] > 0)
+            found = self.dp.max(self._found_inf)
+            if self.model_parallel_group is not None:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+            found_inf = bool(found[0] > 0)
             self.grad_scaler.update(found_inf)
             self._found_inf.zero_()
             if found_inf:  # Megatron skips the step: drop this step's gradients
@@ -141,12 +180,15 @@ class OffloadedAdamW:
                 return False, None, None
         # The 2-norm of the per-parameter norms, in parameter order, in fp32: the same
         # arithmetic as torch.nn.utils.clip_grad_norm_ (and Megatron's formula).
-        norms = [self._norms[i] for i in sorted(self._norms)]
-        if self.dp.size == 1:
+        norms = [self._norms[i] for i in sorted(self._norms) if i in self._in_norm]
+        if self.dp.size == 1 and self.model_parallel_group is None:
             total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros([])
         else:  # squares of this rank's shard norms, summed over ranks (Megatron's way)
             squares = torch.stack(norms).square().sum() if norms else torch.zeros([])
-            total = self.dp.sum(squares.reshape(1)).sqrt()[0]
+            squares = self.dp.sum(squares.reshape(1))
+            if self.model_parallel_group is not None:  # every stage's and TP rank's share
+                dist.all_reduce(squares, group=self.model_parallel_group)
+            total = squares.sqrt()[0]
         self._clip_coef = None
         if self.clip_grad:
             self._clip_coef = torch.clamp(self.clip_grad / (total + 1.0e-6), max=1.0)
@@ -160,6 +202,8 @@ class OffloadedAdamW:
     # --- forward sweep -----------------------------------------------------------------
     def start_update(self, key) -> None:
         """Start the deferred parts of ``key`` on the worker (one unit ahead of compute)."""
+        if any(k == key for k, _ in self._reducing):
+            self._drain_reductions()
         for part in PARTS:
             hyper = self._deferred.pop((key, part), None)
             if hyper is not None:
@@ -177,7 +221,11 @@ class OffloadedAdamW:
         for part in PARTS:
             with self._lock:
                 fut = self._running.pop((key, part), None)
-            if fut is not None:
+            if fut is not None and not fut.done():
+                t0 = time.perf_counter()
+                fut.result()
+                self.blocked_s += time.perf_counter() - t0
+            elif fut is not None:
                 fut.result()
 
     def flush(self) -> None:
@@ -236,6 +284,7 @@ class OffloadedAdamW:
         return loss * self.get_loss_scale()
 
     def _update(self, key, part: str, hyper: StepHyper, clip_coef) -> None:
+        t0 = time.perf_counter()
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
         handles = {name: self.store.get((name, key, part)) for name in STATES + ("grad",)}
@@ -261,6 +310,7 @@ class OffloadedAdamW:
             self.store.put((name, key, part), state[name], tier=self.tier, kind="optim")
         if self.on_weights is not None:
             self.on_weights(key, part, state["master"])
+        self.update_s += time.perf_counter() - t0
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

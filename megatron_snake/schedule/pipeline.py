@@ -7,7 +7,8 @@ gradients the next stage returns. Groups move through the stages exactly as micr
 do in Megatron-Core's ``forward_backward_pipelining_without_interleaving``: stage s of p
 runs min(p - s - 1, M/G) warm-up forward groups, then alternates one forward and one
 backward group, then drains the remaining backward groups. Activations and their gradients
-cross stages through Megatron-Core's P2PCommunicator.
+cross stages through Megatron-Core's P2PCommunicator; plain sends stay in flight while the
+next group computes.
 
 The trade-off G sets: a stage loads its units' weights once per group per sweep, so weight
 traffic grows as M/G, while the pipeline bubble is about (p - 1) / (M/G + p - 1). With one
@@ -19,6 +20,7 @@ bit-identical; gradient sums run in another order (within float rounding).
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -58,15 +60,42 @@ def warmup_groups(stage: int, num_stages: int, num_groups: int) -> int:
 
 class _StageLinks:
     """Sends and receives one group's tensors between neighbouring stages (a no-op on the
-    side of a stage that has no neighbour)."""
+    side of a stage that has no neighbour).
+
+    The calls, and their order on both sides, are those of Megatron's non-interleaved 1F1B
+    (so they match under NCCL as they do there). A plain send (warm-up, cool-down, the last
+    steady-state backward) does not wait: it returns with the transfer in flight, through
+    Megatron's ``overlap_p2p_comm`` path, so the transfer overlaps the next group's compute;
+    ``finish`` waits for all of them at the end of the step.
+    """
 
     def __init__(self, config, tensor_shape):
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.shape = tensor_shape
         self.p2p = None
+        self._in_flight = []  # (tensor, wait handles): a sent tensor lives until its wait
         if not (self.first and self.last):
-            self.p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+            # Megatron hands back wait handles of unbatched p2p ops only (its interleaved
+            # schedule turns batching off to overlap, too); all of a step's ops go the same
+            # way, since unbatched ops on a 2-rank pipeline use another communicator for
+            # one direction and would not match batched ones.
+            unbatched = copy.copy(config)
+            unbatched.batch_p2p_comm = False
+            self.p2p = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(),
+                                       unbatched)
+
+    def _send_async(self, tensors, send_one):
+        for tensor in tensors:
+            _, handles = send_one(tensor)
+            self._in_flight.append((tensor, handles))
+
+    def finish(self):
+        """Wait for every send still in flight."""
+        for _, handles in self._in_flight:
+            for handle in (handles.values() if isinstance(handles, dict) else handles):
+                handle.wait()
+        self._in_flight = []
 
     def _shapes(self, group):
         return [self.shape] * len(group)
@@ -86,7 +115,9 @@ class _StageLinks:
 
     def send_forward(self, group, outputs):
         if not self.last:
-            self.p2p.send_forward(self._in_order(group, outputs), False)
+            self._send_async(self._in_order(group, outputs), lambda t: (
+                self.p2p.send_forward_recv_forward(t, recv_prev=False, tensor_shape=self.shape,
+                                                   overlap_p2p_comm=True)))
 
     def send_forward_recv_backward(self, group, outputs, backward_group):
         if self.last:
@@ -102,7 +133,9 @@ class _StageLinks:
 
     def send_backward(self, group, input_grads):
         if not self.first:
-            self.p2p.send_backward(self._in_order(group, input_grads), False)
+            self._send_async(self._in_order(group, input_grads), lambda t: (
+                self.p2p.send_backward_recv_backward(t, recv_next=False, tensor_shape=self.shape,
+                                                     overlap_p2p_comm=True)))
 
     def send_backward_recv_forward(self, group, input_grads, next_group):
         if self.first:
@@ -171,6 +204,7 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
         else:
             _one_f_one_b(groups, warmup_groups(stage, num_stages, len(groups)), links,
                          forward, backward)
+        links.finish()
 
     if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)

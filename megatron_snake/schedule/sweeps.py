@@ -29,7 +29,8 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
 from megatron_snake.schedule.order import snake_order
-from megatron_snake.schedule.unit_store import UnitStore, compute_event, saved_tensors
+from megatron_snake.schedule.unit_store import (UnitStore, begin_group, compute_event,
+                                                saved_tensors)
 
 
 def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int], *,
@@ -44,14 +45,15 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
     last = units.num_units - 1
     ends_model = units.owns_head(last)
     stop = last if (ends_model and not forward_only) else last + 1
-    for mb, received in (inputs or {}).items():
-        store.save_checkpoint(0, mb, received)
+    begin_group(store, group)
     outputs = {}
     for unit in range(stop):
         store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None, for_backward=False)
         for i in snake_order(unit, len(group)):
             mb = group[i]
             with compute_event(store, "F", unit, mb):
+                if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
+                    store.save_checkpoint(0, mb, inputs[mb])
                 hidden = None if units.owns_embedding(unit) else store.load_checkpoint(unit, mb)
                 if not forward_only:  # the recompute will replay this unit's dropout
                     rng_states[(unit, mb)] = rng.capture()
@@ -86,6 +88,7 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
     losses = {}
     total_tokens = torch.zeros([], dtype=torch.int)
     grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
+    begin_group(store, group)
     for unit in range(last, -1, -1):
         store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
         for i in snake_order(unit, len(group)):

@@ -62,6 +62,14 @@ class InMemoryStore:
         pass
 
 
+def begin_group(store, group: list[int]) -> None:
+    """Tell a store with a ``begin_group`` hook which micro-batches the next sweep visits
+    (a snake group), so it reads ahead within them only."""
+    hook = getattr(store, "begin_group", None)
+    if hook is not None:
+        hook(group)
+
+
 def saved_tensors(store):
     """The store's optional context for the tensors autograd saves while a unit is
     recomputed (an SSDTrain offloader), or nothing."""
@@ -96,3 +104,6 @@ class CombinedStore:
 
     def compute_event(self, sweep, unit, microbatch):
         return compute_event(self.checkpoints, sweep, unit, microbatch)
+
+    def begin_group(self, group):
+        begin_group(self.checkpoints, group)

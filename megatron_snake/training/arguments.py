@@ -14,6 +14,9 @@ import torch
 SNAKE_SCHEDULES = ("vertical", "horizontal")
 SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
+# DeepSpeed's ZenFlow defaults for topk_ratio; fixed intervals where DeepSpeed says "auto".
+ZENFLOW_DEFAULTS = dict(topk_ratio=0.1, select_interval=100, update_interval=4,
+                        full_warmup_steps=0, overlap_step=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="a collective that waits longer than this (e.g. for a rank that "
+                        "died) fails instead of hanging")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split layer norms, dropout and stage-boundary activations along the "
+                        "sequence across tensor-parallel ranks (needs TP > 1)")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam"])
@@ -126,9 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batch order over the store: vertical (unit-major, snake) or "
                         "horizontal (Megatron's micro-batch-major order, weights fetched per "
                         "micro-batch: for ablations)")
+    g.add_argument("--snake-group-size", type=int, default=None,
+                   help="micro-batches per snake group G: a stage sweeps G micro-batches "
+                        "through its units before passing them on, so weights are read M/G "
+                        "times per sweep and the pipeline bubble is about (p-1)/(M/G+p-1). "
+                        "Default: M with one pipeline stage (pure GreedySnake); with p > 1 "
+                        "stages the largest divisor of M giving at least 4(p-1) groups")
     g.add_argument("--snake-offload-dir", default=None,
                    help="existing directory for offloaded state (rank<N>/ is made below "
-                        "it); default: a new temporary directory")
+                        "it); may be a template with {node} (this node's index, torchrun's "
+                        "GROUP_RANK), {hostname}, {rank} and {local_rank}, e.g. "
+                        "/nvme/{node}/{local_rank}; default: a new temporary directory")
     g.add_argument("--snake-activation-tier", default="nvme", choices=ACTIVATION_TIERS,
                    help="where unit checkpoints live between the forward and backward sweeps; "
                         "auto: profile, then place each by a lifetime-aware plan")
@@ -144,24 +161,92 @@ def build_parser() -> argparse.ArgumentParser:
                         "or with --snake-offload inside each unit's recompute")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay in memory")
-    g.add_argument("--snake-param-tier", default="nvme", choices=SNAKE_TIERS[1:],
-                   help="where unit working weights live between their uses")
-    g.add_argument("--snake-optimizer-tier", default="nvme", choices=SNAKE_TIERS[1:],
-                   help="where fp32 master weights and Adam moments live")
+    g.add_argument("--snake-param-tier", default="nvme", choices=("host", "nvme", "auto"),
+                   help="where unit working weights live between their uses; auto: host when "
+                        "they fit in a quarter of --snake-host-memory-limit, else nvme")
+    g.add_argument("--snake-optimizer-tier", default="nvme", choices=("host", "nvme", "auto"),
+                   help="where fp32 master weights, Adam moments and gradients live; auto: "
+                        "host when they fit in what a quarter of --snake-host-memory-limit "
+                        "leaves after the weights, else nvme")
     g.add_argument("--snake-alpha", type=float, default=0.25,
                    help="fraction of each unit's optimizer update deferred from the backward "
                         "sweep to the next forward sweep (0 to 0.5); with --clip-grad the "
                         "whole update waits for the global norm and runs in the forward sweep")
     g.add_argument("--snake-gpu-memory-limit", default=None,
                    help="compute-device memory the offloaded run may use (e.g. 40GiB); checked "
-                        "at start against the largest unit's working set (default: no check)")
+                        "at start against the largest unit's working set; what is left after "
+                        "it and the step's checkpoints keeps units' weights on the device "
+                        "(pinned: not re-read each sweep). Default: no check, nothing pinned")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
+
+    g = p.add_argument_group("ZenFlow (approximate: important columns at once, the rest late)")
+    g.add_argument("--snake-zenflow", action="store_true",
+                   help="APPROXIMATE optimizer mode (ZenFlow): the top gradient columns of each "
+                        "2-D weight and all 1-D parameters are updated at once on the compute "
+                        "device, the rest accumulate in host memory and a CPU AdamW applies "
+                        "them every update-interval steps; with Megatron's schedule (weights "
+                        "on the compute device, optimizer state in host memory)")
+    g.add_argument("--snake-zenflow-topk-ratio", type=float, default=None,
+                   help=f"fraction of each 2-D weight's columns (by per-column sum of |grad|) "
+                        f"updated at once, in (0, 1] (default {ZENFLOW_DEFAULTS['topk_ratio']})")
+    g.add_argument("--snake-zenflow-select-interval", type=int, default=None,
+                   help="steps between column re-selections, >= the update interval "
+                        f"(default {ZENFLOW_DEFAULTS['select_interval']})")
+    g.add_argument("--snake-zenflow-update-interval", type=int, default=None,
+                   help="steps whose gradients of the other columns are accumulated before "
+                        f"the CPU applies them (default {ZENFLOW_DEFAULTS['update_interval']})")
+    g.add_argument("--snake-zenflow-full-warmup-steps", type=int, default=None,
+                   help="first steps that are exact full AdamW updates on the CPU "
+                        f"(default {ZENFLOW_DEFAULTS['full_warmup_steps']})")
+    g.add_argument("--snake-zenflow-overlap-step", action="store_true", default=None,
+                   help="run the CPU update in the background during the next update "
+                        "interval (it lands one interval later) instead of at once")
     return p
 
 
 def _fail(parser: argparse.ArgumentParser, flag: str, message: str):
     parser.error(f"{flag}: {message}")
+
+
+def default_group_size(num_microbatches: int, num_stages: int) -> int:
+    """M on one stage; else the largest divisor G of M with M/G >= 4(p-1) groups (a bubble
+    of at most about 20%), or 1."""
+    if num_stages == 1:
+        return num_microbatches
+    divisors = [g for g in range(1, num_microbatches + 1) if num_microbatches % g == 0]
+    return max([g for g in divisors if num_microbatches // g >= 4 * (num_stages - 1)],
+               default=1)
+
+
+def _validate_pipeline(args, parser) -> None:
+    """Pipeline stages and snake groups."""
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        _fail(parser, "--pipeline-model-parallel-size", f"--num-layers {args.num_layers} is "
+              f"not divisible by {pp} stages; choose layers that split evenly")
+    if args.snake_group_size is not None:
+        if not args.snake_offload:
+            _fail(parser, "--snake-group-size", "applies to the vertical schedule; add "
+                  "--snake-offload or drop the flag")
+        if args.snake_schedule == "horizontal":
+            _fail(parser, "--snake-group-size", "the horizontal schedule runs micro-batch by "
+                  "micro-batch; drop --snake-group-size or use --snake-schedule vertical")
+        if args.snake_group_size < 1 or args.num_microbatches % args.snake_group_size:
+            _fail(parser, "--snake-group-size", f"{args.snake_group_size} must divide the "
+                  f"{args.num_microbatches} micro-batches per step (--global-batch-size / "
+                  "(--micro-batch-size x data-parallel size)); pick a divisor")
+    elif args.snake_offload:
+        args.snake_group_size = default_group_size(args.num_microbatches, pp)
+    if args.snake_offload and pp > 1:
+        if args.snake_schedule == "horizontal":
+            _fail(parser, "--snake-schedule", "horizontal is a one-stage ablation; use "
+                  "vertical with --pipeline-model-parallel-size > 1")
+        if not args.untie_embeddings_and_output_weights:
+            _fail(parser, "--untie-embeddings-and-output-weights", "is needed with "
+                  "--snake-offload and --pipeline-model-parallel-size > 1: a tied embedding "
+                  "spans the first and last stage, whose offloaded updates are not "
+                  "synchronised yet")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,6 +265,12 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _fail(parser, "--tensor-model-parallel-size", f"world size {world} is not divisible by "
               f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}")
     args.data_parallel_size = world // model_parallel
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        _fail(parser, "--sequence-parallel", "needs --tensor-model-parallel-size > 1 "
+              "(Megatron would silently drop it); remove the flag or raise TP")
+    if args.sequence_parallel and args.transformer_impl != "transformer_engine":
+        _fail(parser, "--sequence-parallel", "needs --transformer-impl transformer_engine: "
+              "the local layer spec's torch norms do not support sequence parallelism")
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.micro_batch_size < 1:
         _fail(parser, "--micro-batch-size", "must be >= 1")
@@ -208,6 +299,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             args.snake_activation_tier == "device":
         _fail(parser, "--snake-activation-tier", "use host or nvme with "
               "--snake-activation-offload")
+    if args.snake_activation_tier == "auto" and args.snake_schedule == "horizontal":
+        _fail(parser, "--snake-activation-tier", "auto plans the vertical schedule's "
+              "checkpoints; the horizontal ablation has none to plan: use host or nvme")
     if args.snake_activation_tier == "auto" and args.snake_profile_iters < 1:
         _fail(parser, "--snake-profile-iters", "must be >= 1 with --snake-activation-tier auto")
     if args.snake_activation_offload and not args.snake_offload and \
@@ -216,11 +310,10 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               "checkpoints (--snake-offload); use host or nvme with --snake-activation-offload")
     if not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
-    if args.snake_offload and args.pipeline_model_parallel_size > 1:
-        _fail(parser, "--pipeline-model-parallel-size",
-              "pipeline parallelism with --snake-offload is not supported yet; use 1")
+    _validate_pipeline(args, parser)
     if args.bf16 and args.fp16:
         _fail(parser, "--bf16", "--bf16 and --fp16 are mutually exclusive")
+    _validate_zenflow(args, parser)
     if args.num_layers < 1 or args.hidden_size < 1 or args.num_attention_heads < 1:
         _fail(parser, "--num-layers", "--num-layers, --hidden-size and --num-attention-heads "
               "must be >= 1")
@@ -265,3 +358,39 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
     return args
+
+
+def _validate_zenflow(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ZenFlow's knobs need --snake-zenflow (a knob is never silently ignored); fill their
+    defaults; refuse what ZenFlow mode does not combine with."""
+    for key, default in ZENFLOW_DEFAULTS.items():
+        attr = f"snake_zenflow_{key}"
+        if getattr(args, attr) is not None and not args.snake_zenflow:
+            _fail(parser, "--" + attr.replace("_", "-"), "needs --snake-zenflow")
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+    if not args.snake_zenflow:
+        return
+    if args.snake_offload:
+        _fail(parser, "--snake-zenflow", "cannot be combined with --snake-offload: ZenFlow "
+              "keeps the working weights on the compute device (ZeRO-Offload style) while "
+              "--snake-offload moves them unit by unit; drop one of the two flags")
+    if args.fp16:
+        _fail(parser, "--fp16", "--snake-zenflow has no loss scaler yet; use --bf16 or fp32")
+    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
+        _fail(parser, "--tensor-model-parallel-size", "--snake-zenflow supports data "
+              "parallelism only (tensor and pipeline parallel size 1)")
+    if not 0.0 < args.snake_zenflow_topk_ratio <= 1.0:
+        _fail(parser, "--snake-zenflow-topk-ratio",
+              f"must be in (0, 1], got {args.snake_zenflow_topk_ratio}")
+    if args.snake_zenflow_update_interval < 1:
+        _fail(parser, "--snake-zenflow-update-interval",
+              f"must be >= 1, got {args.snake_zenflow_update_interval}")
+    if args.snake_zenflow_select_interval < args.snake_zenflow_update_interval:
+        _fail(parser, "--snake-zenflow-select-interval",
+              f"{args.snake_zenflow_select_interval} is below --snake-zenflow-update-interval "
+              f"{args.snake_zenflow_update_interval}: columns are re-selected only between "
+              "CPU updates")
+    if args.snake_zenflow_full_warmup_steps < 0:
+        _fail(parser, "--snake-zenflow-full-warmup-steps",
+              f"must be >= 0, got {args.snake_zenflow_full_warmup_steps}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import socket
@@ -35,19 +36,22 @@ def _free_port() -> int:
 
 
 def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
-               pipeline_model_parallel_size: int = 1, seed: int = 1234) -> None:
+               pipeline_model_parallel_size: int = 1, seed: int = 1234,
+               timeout_minutes: float = 10) -> None:
     """Start torch.distributed (torchrun's environment, or a single local process),
-    Megatron's parallel state, and seed every RNG the way Megatron-LM does."""
+    Megatron's parallel state, and seed every RNG the way Megatron-LM does. A collective
+    left waiting ``timeout_minutes`` (a rank died) raises instead of hanging."""
     megatron_on_cpu.apply(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         world = dist.get_world_size()
         if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
@@ -75,3 +79,36 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def node_index() -> int:
+    """This node's index in a multi-node launch (torchrun's GROUP_RANK, or NODE_RANK)."""
+    return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)))
+
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "timed out", "Timed out", "NCCL communicator was aborted")
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether a collective failed because another rank went away (or never answered)."""
+    dist_error = getattr(dist, "DistError", None)
+    return (dist_error is not None and isinstance(exc, dist_error)) or \
+        any(marker in str(exc) for marker in _LOST_PEER)
+
+
+def raise_unless_all_ranks_ok(error: BaseException | None, what: str) -> None:
+    """A start-up check every rank makes: gather each rank's error (or None) so that all
+    ranks fail together with the full list, instead of one rank failing and the others
+    waiting in their next collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+    if failed:
+        lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failed)
+        raise RuntimeError(f"{what} failed on {len(failed)} of {len(reports)} ranks:\n{lines}") \
+            from error

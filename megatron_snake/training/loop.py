@@ -21,7 +21,8 @@ from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.training import checkpointing, distributed, offload
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
-from megatron_snake.training.optimizer import build_optimizer, build_scheduler
+from megatron_snake.training.optimizer import (build_optimizer, build_scheduler,
+                                               build_zenflow_optimizer)
 from megatron_snake.training.schedules import make_forward_backward
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron_snake.training.train_log import TrainLog
@@ -34,12 +35,17 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 def _lm_loss(losses, microbatches) -> float:
     """Token-weighted mean over the step's micro-batches and data-parallel ranks, the way
-    Megatron-LM averages ``lm loss``."""
-    tokens = [mb["loss_mask"].sum() for mb in microbatches]
-    totals = torch.stack([sum(l.float() * n for l, n in zip(losses, tokens)),
-                          sum(tokens).float()]).double()
+    Megatron-LM averages ``lm loss``; under pipeline parallelism the last stage's figure,
+    on every stage."""
+    totals = torch.zeros(2, dtype=torch.double)  # stays zero on a stage before the last
+    if losses:
+        tokens = [mb["loss_mask"].sum() for mb in microbatches]
+        totals = torch.stack([sum(l.float() * n for l, n in zip(losses, tokens)),
+                              sum(tokens).float()]).double()
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
@@ -93,12 +99,16 @@ class Run:
         if not self.args.no_load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        elif hasattr(self.optimizer, "reload_model_params"):
+            # A fresh optimizer copied its master weights before the load: take the loaded
+            # weights instead (what Megatron-LM does with --no-load-optim).
+            self.optimizer.reload_model_params()
         if not self.args.no_load_rng:
             checkpointing.set_rng_state(state["rng_state"])
 
     def finish(self) -> None:
         """Apply pending updates and stop the optimizer's worker."""
-        if self.offloaded:
+        if self.offloaded or self.args.snake_zenflow:
             self.optimizer.flush()
             self.optimizer.close()
 
@@ -113,12 +123,26 @@ def pretrain(args: argparse.Namespace) -> list[float]:
         torch.use_deterministic_algorithms(was_deterministic)
 
 
+def _schedule_name(args) -> str:
+    pp = args.pipeline_model_parallel_size
+    if not args.snake_offload:
+        return "megatron (" + ("forward_backward_pipelining_without_interleaving, "
+                               f"{pp} stages)" if pp > 1 else "forward_backward_no_pipelining)")
+    if args.snake_schedule == "horizontal":
+        return f"horizontal (ablation), checkpoint interval {args.snake_checkpoint_interval}"
+    groups = args.num_microbatches // args.snake_group_size
+    bubble = (pp - 1) / (groups + pp - 1)
+    return (f"vertical (snake), checkpoint interval {args.snake_checkpoint_interval}, "
+            f"{groups} snake group(s) of {args.snake_group_size} over {pp} stage(s) "
+            f"(expected bubble {bubble:.0%})")
+
+
 def _pretrain(args: argparse.Namespace) -> list[float]:
     device = distributed.resolve_device(args.device)
     distributed.initialize(device=device,
                            tensor_model_parallel_size=args.tensor_model_parallel_size,
                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                           seed=args.seed)
+                           seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     rank = dist.get_rank()
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
@@ -127,8 +151,7 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
 
     gpt = build_gpt_model(args, vocab, device)
     n_params = sum(p.numel() for p in gpt.parameters())
-    schedule = f"vertical (snake), checkpoint interval {args.snake_checkpoint_interval}" \
-        if args.snake_offload else "megatron (forward_backward_no_pipelining)"
+    schedule = _schedule_name(args)
     log.print(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, "
               f"schedule {schedule}, {args.num_microbatches} micro-batches of "
               f"{args.micro_batch_size} x {args.seq_length} tokens per step")
@@ -156,11 +179,16 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
         else:
             state = None
             model = wrap_ddp(gpt)
-            optimizer, scheduler = build_optimizer(args, model)
             config = unwrap_model(gpt).config
+            if args.snake_zenflow:  # approximate: says so at start and in every log line
+                optimizer, scheduler = build_zenflow_optimizer(args, model)
+                log.print(optimizer.summary())
+                config.grad_scale_func = None  # fp32 / bf16 only: no loss scale
+            else:
+                optimizer, scheduler = build_optimizer(args, model)
+                config.grad_scale_func = optimizer.scale_loss
             config.no_sync_func = model.no_sync
             config.finalize_model_grads_func = finalize_model_grads
-            config.grad_scale_func = optimizer.scale_loss
             forward_backward = make_forward_backward(args, tensor_store, device)
         run = Run(args, device, model, optimizer, scheduler, log, forward_backward,
                   tensor_store, state)
@@ -178,8 +206,24 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
             consumed_samples=consumed)
         try:
             return train(run, train_iter, valid_ds, iteration, consumed)
+        except RuntimeError as exc:
+            if dist.get_world_size() > 1 and distributed.is_lost_peer(exc):
+                raise RuntimeError(
+                    f"rank {rank}: lost contact with another rank during training ({exc}). "
+                    "A rank died or hung: its own log has the cause; the others stop here "
+                    "(--distributed-timeout-minutes bounds the wait)") from exc
+            raise
         finally:
             run.finish()
+
+
+def _log_extra(run: Run) -> str:
+    """Store traffic (offloaded runs) and ZenFlow's fields, for the log line."""
+    parts = [offload.traffic(run.tensor_store,
+                             getattr(run.forward_backward, "activation_peak", None))]
+    if run.args.snake_zenflow:
+        parts.append(run.optimizer.log_fields())
+    return " | ".join(p for p in parts if p)
 
 
 def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list[float]:
@@ -204,8 +248,7 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
                      lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
                      loss_scale=optimizer.get_loss_scale().item(),
                      skipped=not update_successful,
-                     extra=offload.traffic(run.tensor_store,
-                                           getattr(run.forward_backward, "activation_peak", None)))
+                     extra=_log_extra(run))
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
             run.log.validation(iteration, evaluate(args, model, run.forward_backward, valid_ds,
                                                    run.device))

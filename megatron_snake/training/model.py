@@ -31,6 +31,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype,
         bf16=args.bf16,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
+from megatron_snake.training import distributed
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -49,18 +52,36 @@ def open_store(args, device: torch.device, rank: int):
         return
     made = None if args.snake_offload_dir else tempfile.mkdtemp(prefix="megatron_snake_")
     try:
-        with TensorStore(args.snake_offload_dir or made, rank=rank, device=device,
-                         host_memory_limit=args.snake_host_memory_limit) as store:
+        root = made or offload_dir_for_rank(args.snake_offload_dir, rank)
+        store, error = None, None
+        try:
+            store = TensorStore(root, rank=rank, device=device,
+                                host_memory_limit=args.snake_host_memory_limit)
+        except (OSError, ValueError, RuntimeError) as exc:
+            error = exc
+        distributed.raise_unless_all_ranks_ok(error, "--snake-offload-dir check")
+        with store:
             yield store
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
 
 
+def offload_dir_for_rank(template: str, rank: int) -> str:
+    """``--snake-offload-dir`` with {node}, {hostname}, {rank} and {local_rank} filled in."""
+    try:
+        return template.format(node=distributed.node_index(), hostname=socket.gethostname(),
+                               rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
+                         "fields are {node}, {hostname}, {rank} and {local_rank}") from None
+
+
 def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> str:
     """For the log line: bytes read/written per tier since the start (all state, then unit
-    checkpoints and saved tensors alone), the time callers waited on the store, and the
-    last step's peak checkpoint bytes per tier."""
+    checkpoints and saved tensors alone), the last step's peak activation bytes per tier
+    (``{"checkpoints": {tier: bytes}, "saved tensors": {...}}``), and the time callers
+    waited on the store: for prefetched reads that arrived late, and for everything else."""
     if store is None:
         return ""
     c = store.counters
@@ -72,10 +93,12 @@ def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> s
             parts.append(f"{label} " + ", ".join(
                 f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{moved[tier][1] / 2**20:.1f} MiB"
                 for tier in ("nvme", "host") if any(moved[tier])))
-    if activation_peak:
-        parts.append("activation peak " + ", ".join(
-            f"{tier} {n / 2**20:.1f} MiB" for tier, n in activation_peak.items() if n))
-    parts.append(f"io wait {c.blocked_s:.2f} s")
+    for label, peak in (activation_peak or {}).items():
+        held = [f"{tier} {n / 2**20:.1f} MiB" for tier, n in peak.items() if n]
+        if held:
+            parts.append(f"{label} peak " + ", ".join(held))
+    parts.append(f"prefetch wait {c.prefetch_wait_s:.2f} s")
+    parts.append(f"other io wait {c.blocked_s - c.prefetch_wait_s:.2f} s")
     return " | ".join(parts)
 
 
@@ -86,24 +109,79 @@ class OffloadedState:
 
     weights: OffloadedUnits
     optimizer: OffloadedAdamW
+    capacity: tuple = (0, 0)   # (bytes needed, bytes free) on the offload drive, checked
 
     def summary(self, args) -> str:
-        """Bytes this rank holds per tier and moves per step."""
+        """Bytes this rank holds per tier, moves per step, and the free-space check."""
+        elem = torch.tensor([], dtype=args.params_dtype).element_size()
         weights = sum(hi - lo for lay in self.weights.params.units
-                      for _, (lo, hi) in self.weights.record_parts(lay)) * \
-            torch.tensor([], dtype=args.params_dtype).element_size()
+                      for _, (lo, hi) in self.weights.record_parts(lay)) * elem
+        pinned = self.weights.pinned_bytes()
         optim = self.optimizer.state_bytes()
+        grads = optim // 3  # fp32, one value per parameter, held between backward and update
         ckpt = checkpoint_bytes_per_step(args)
-        grads = optim // 3  # fp32, one value per parameter
-        # Per step: weights read in both sweeps and written once by the update; the
-        # optimizer state and the fp32 gradient written and read once each.
-        return (f"> offloaded state: weights {weights / 2**20:.1f} MiB on "
-                f"{args.snake_param_tier}, master weights + moments {optim / 2**20:.1f} MiB on "
-                f"{args.snake_optimizer_tier}, unit checkpoints {ckpt / 2**20:.1f} MiB per step "
-                f"on {args.snake_activation_tier}; per step about "
-                f"{(2 * weights + optim + grads) / 2**20:.1f} MiB read and "
-                f"{(weights + optim + grads) / 2**20:.1f} MiB written for weights, gradients "
-                f"and optimizer")
+        per_tier = {"gpu": pinned, "host": 0, "nvme": 0}
+        per_tier[args.snake_param_tier] += weights - pinned
+        per_tier[args.snake_optimizer_tier] += optim + grads
+        ckpt_tier = {"device": "gpu", "auto": None}.get(args.snake_activation_tier,
+                                                        args.snake_activation_tier)
+        if ckpt_tier is not None:
+            per_tier[ckpt_tier] += ckpt
+        # Per step, off the device: unpinned weights read in both sweeps and written once by
+        # the update; optimizer state and fp32 gradient written and read once each;
+        # offloaded checkpoints written and read once.
+        off_device_ckpt = ckpt if ckpt_tier in ("host", "nvme") else 0
+        read = 2 * (weights - pinned) + optim + grads + off_device_ckpt
+        written = (weights - pinned) + optim + grads + off_device_ckpt
+        units = sorted(self.weights.pinned)
+        need, free = self.capacity
+        return ("> offloaded state per tier: "
+                + ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in per_tier.items())
+                + f" (weights {weights / 2**20:.1f} MiB on {args.snake_param_tier}, "
+                f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
+                f"weights + moments + gradients {(optim + grads) / 2**20:.1f} MiB on "
+                f"{args.snake_optimizer_tier}; unit checkpoints {ckpt / 2**20:.1f} MiB on "
+                f"{args.snake_activation_tier}); per step about {read / 2**20:.1f} MiB read and "
+                f"{written / 2**20:.1f} MiB written off the device; free space checked: "
+                f"{need / 2**20:.1f} MiB needed with margin, {free / 2**20:.1f} MiB free on the "
+                "offload drive")
+
+
+def resolve_state_tiers(args, weights_bytes: int, optimizer_bytes: int) -> None:
+    """``--snake-param-tier``/``--snake-optimizer-tier auto``: host when a quarter of
+    ``--snake-host-memory-limit`` holds it (the rest stays for checkpoints and the I/O
+    buffers NVMe transfers go through), weights first (per byte held they move the most:
+    read in both sweeps), else nvme."""
+    room = args.snake_host_memory_limit // 4
+    if args.snake_param_tier == "auto":
+        args.snake_param_tier = "host" if weights_bytes <= room else "nvme"
+    if args.snake_param_tier == "host":
+        room -= weights_bytes
+    if args.snake_optimizer_tier == "auto":
+        args.snake_optimizer_tier = "host" if optimizer_bytes <= room else "nvme"
+
+
+def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
+    """Units whose working weights stay on the device: as many as ``--snake-gpu-memory-limit``
+    leaves room for after the working set (the unit computed, the prefetched next one, the
+    gradient accumulator) and the step's checkpoints when they may stay on the device,
+    smallest first. None without the flag: the device's real capacity is not known."""
+    if args.snake_gpu_memory_limit is None:
+        return []
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    working_set, _ = unit_working_set_bytes(args, params)
+    room = args.snake_gpu_memory_limit - working_set - \
+        max(lay.numel for lay in params.units) * elem          # the prefetched next unit
+    if args.snake_activation_tier in ("device", "auto"):
+        room -= checkpoint_bytes_per_step(args)
+    pinned = []
+    for unit in sorted(range(len(params.units)), key=lambda u: params.units[u].numel):
+        size = -(-params.units[unit].numel // dp_size) * elem   # this rank's records
+        if size > room:
+            break
+        pinned.append(unit)
+        room -= size
+    return sorted(pinned)
 
 
 def nvme_bytes(args, weights_bytes: int, optimizer_bytes: int) -> int:
@@ -140,6 +218,17 @@ def grad_scaler(args):
                              hysteresis=args.hysteresis)
 
 
+def _model_parallel_group():
+    """Megatron's TP x PP group when it has more than one rank (the gradient norm and the
+    fp16 overflow flag are reduced over it), else None."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() * \
+            parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        return parallel_state.get_model_parallel_group()
+    return None
+
+
 def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
     limit and that the drive has room for all of it first)."""
@@ -155,12 +244,20 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
     dp_size = DataParallel.from_megatron().size
     numel = -(-sum(lay.numel for lay in params.all_layouts()) // dp_size)  # this rank's share
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    store.check_capacity(nvme_bytes(args, numel * elem, 12 * numel))
+    resolve_state_tiers(args, numel * elem, 16 * numel)  # master, moments, grad: 16 B each
+    error, capacity = None, (0, 0)
+    try:
+        capacity = store.check_capacity(nvme_bytes(args, numel * elem, 16 * numel))
+    except (OSError, ValueError, RuntimeError) as exc:
+        error = exc
+    distributed.raise_unless_all_ranks_ok(error, "free space check for the offloaded state")
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
                                tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron(),
-                               grad_scaler=grad_scaler(args))
+                               grad_scaler=grad_scaler(args),
+                               model_parallel_group=_model_parallel_group())
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=args.snake_param_tier)
-    return OffloadedState(weights, optimizer)
+                             tier=args.snake_param_tier,
+                             pinned=units_to_pin(args, params, dp_size))
+    return OffloadedState(weights, optimizer, capacity)

@@ -1,7 +1,8 @@
 """The two ways a step's micro-batches are run, behind one signature.
 
-``megatron`` is Megatron-Core's own ``forward_backward_no_pipelining`` with pretrain_gpt's
-forward step and loss; ``vertical`` is megatron_snake's snake schedule. Both take the model
+``megatron`` is Megatron-Core's own schedule (``forward_backward_no_pipelining``, or 1F1B
+across pipeline stages) with pretrain_gpt's forward step and loss; ``vertical`` is
+megatron_snake's snake schedule (in snake groups across pipeline stages). Both take the model
 and a list of micro-batch dicts and return the per-micro-batch masked-mean losses.
 """
 
@@ -11,10 +12,11 @@ import functools
 import os
 from typing import Callable
 
-import torch.distributed as dist
-
 import torch
-from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
 
 from megatron_snake.offload.activation_plan import ActivationPlanner
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
@@ -44,8 +46,14 @@ def pretrain_gpt_forward_step(data_iterator, model):
 
 
 def megatron_forward_backward(model, microbatches, *, forward_only: bool = False):
+    """Megatron-Core's schedule for this run: ``forward_backward_no_pipelining``, or its
+    1F1B ``forward_backward_pipelining_without_interleaving`` across pipeline stages (the
+    losses then come back on the last stage only)."""
     tokens = microbatches[0]["tokens"]
-    store = forward_backward_no_pipelining(
+    schedule = forward_backward_no_pipelining
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        schedule = forward_backward_pipelining_without_interleaving
+    store = schedule(
         forward_step_func=pretrain_gpt_forward_step, data_iterator=iter(microbatches),
         model=model, num_microbatches=len(microbatches), seq_length=tokens.shape[1],
         micro_batch_size=tokens.shape[0], forward_only=forward_only)
@@ -54,15 +62,17 @@ def megatron_forward_backward(model, microbatches, *, forward_only: bool = False
 
 def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
     """The planner for ``--snake-activation-tier auto``: the GPU budget for checkpoints is
-    ``--snake-gpu-memory-limit`` less the largest unit's working set."""
+    ``--snake-gpu-memory-limit`` less the largest unit's working set and the pinned units."""
     from megatron_snake.training.offload import unit_working_set_bytes
 
     gpu_budget = None
     if args.snake_gpu_memory_limit is not None and weights is not None:
-        gpu_budget = args.snake_gpu_memory_limit - unit_working_set_bytes(args, weights.params)[0]
+        gpu_budget = args.snake_gpu_memory_limit - \
+            unit_working_set_bytes(args, weights.params)[0] - weights.pinned_bytes()
     path = args.snake_plan_json
     if path is None and args.snake_offload_dir:
-        path = os.path.join(args.snake_offload_dir,
+        # beside this rank's directory (the flag may be a per-rank template)
+        path = os.path.join(os.path.dirname(tensor_store.dir.path),
                             f"activation_plan_rank{tensor_store.dir.rank}.json")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     return ActivationPlanner(tensor_store, device, profile_iters=args.snake_profile_iters,
@@ -78,12 +88,22 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
     if args.snake_activation_offload and not args.snake_offload:
         offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
                                          min_bytes=args.snake_activation_offload_min_bytes)
-        return functools.partial(megatron_activation_offload_forward_backward,
-                                 offloader=offloader)
+
+        def offloaded_megatron_forward_backward(model, microbatches, *, forward_only=False):
+            offloader.reset_peak()
+            losses = megatron_activation_offload_forward_backward(
+                model, microbatches, forward_only=forward_only, offloader=offloader)
+            if not forward_only:
+                offloaded_megatron_forward_backward.activation_peak = \
+                    {"saved tensors": dict(offloader.peak)}
+            return losses
+
+        offloaded_megatron_forward_backward.activation_peak = None  # the last step's, for the log
+        return offloaded_megatron_forward_backward
     if not args.snake_offload:
         return megatron_forward_backward
     schedule = horizontal_forward_backward if args.snake_schedule == "horizontal" \
-        else vertical_forward_backward
+        else functools.partial(vertical_forward_backward, group_size=args.snake_group_size)
 
     planner = None
     if args.snake_activation_tier == "auto":
@@ -103,12 +123,18 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
                                                len(microbatches), device)
         if saved is not None:
             saved.add_parameters(model.parameters())  # never offload weights as activations
+            saved.reset_peak()
         store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore(),
                               saved)
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
                           forward_only=forward_only, store=store)
-        if isinstance(checkpoints, OffloadedCheckpoints) and not forward_only:
-            snake_forward_backward.activation_peak = dict(checkpoints.peak)
+        if not forward_only:
+            peaks = {}
+            if isinstance(checkpoints, OffloadedCheckpoints):
+                peaks["checkpoints"] = dict(checkpoints.peak)
+            if saved is not None:
+                peaks["saved tensors"] = dict(saved.peak)
+            snake_forward_backward.activation_peak = peaks
         if planner is not None and not forward_only:
             planner.after_step(checkpoints)
         elif isinstance(checkpoints, OffloadedCheckpoints):

@@ -44,7 +44,7 @@ class TrainLog:
     """Accumulates between log lines and prints them (rank 0 only)."""
 
     def __init__(self, args, vocab_size: int, device: torch.device, *, rank: int = 0,
-                 stream=sys.stdout):
+                 stream=None):
         self.args, self.device, self.rank, self.stream = args, device, rank, stream
         self.flops = model_flops_per_iteration(args, vocab_size)
         self.tokens_per_iter = args.global_batch_size * args.seq_length
@@ -59,7 +59,7 @@ class TrainLog:
 
     def print(self, line: str):
         if self.rank == 0:
-            print(line, file=self.stream, flush=True)
+            print(line, file=self.stream or sys.stdout, flush=True)  # stdout as it is now
 
     def step(self, *, iteration: int, consumed_samples: int, lm_loss: float, lr: float,
              grad_norm, loss_scale: float, skipped: bool, extra: str = ""):

@@ -1,0 +1,203 @@
+"""pretrain_gpt's loop under TP x PP (spawn, gloo) with --snake-offload: the numbers of
+Megatron's own run, per-rank offload directories, one start-up error for a bad rank, and a
+clear failure when a rank dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "3e-3", "--lr-warmup-iters", "1", "--device", "cpu",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--deterministic-mode",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank: int, world: int, port: int) -> dict:
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _pretrain_main(rank, world, port, root, parallel, snake_flags):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(_env(rank, world, port))
+    torch.set_num_threads(1)
+    from megatron_snake.training import distributed
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    from megatron_snake.training import loop
+
+    flags = [*FLAGS, *parallel, "--train-iters", "3"]
+    megatron = pretrain(parse_args(flags))
+    files = {}
+    real_train = loop.train
+
+    def train_then_list_files(run, *rest):  # the store removes its files when it closes
+        out = real_train(run, *rest)
+        store = run.tensor_store
+        files["dir"] = store.dir.path
+        files["paths"] = sorted({path for key in store.keys()
+                                 for path, _, _ in store.location(key)})
+        return out
+
+    loop.train = train_then_list_files
+    snake = pretrain(parse_args([*flags, "--snake-offload", "--snake-offload-dir",
+                                 os.path.join(root, "{rank}"), "--save",
+                                 os.path.join(root, "ckpt"), *snake_flags]))
+    with open(os.path.join(root, f"losses{rank}.json"), "w") as f:
+        json.dump({"megatron": megatron, "snake": snake, "files": files}, f)
+    distributed.shutdown()
+
+
+@pytest.mark.parametrize("name,world,parallel,snake_flags", [
+    ("tp2xpp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--clip-grad", "0.5"], ["--snake-group-size", "2"]),
+    ("pp2xdp2", 4, ["--pipeline-model-parallel-size", "2"],
+     ["--snake-group-size", "1", "--snake-activation-tier", "auto", "--snake-profile-iters", "1"]),
+])
+def test_pretrain_parallel_snake_matches_megatron(tmp_path, name, world, parallel, snake_flags):
+    for rank in range(world):
+        (tmp_path / str(rank)).mkdir()
+    mp.spawn(_pretrain_main, args=(world, _free_port(), str(tmp_path), parallel, snake_flags),
+             nprocs=world, join=True)
+    runs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in range(world)]
+    for run in runs:
+        assert run["megatron"] == runs[0]["megatron"], "every rank logs the last stage's loss"
+        assert run["snake"] == runs[0]["snake"]
+    for a, b in zip(runs[0]["megatron"], runs[0]["snake"]):
+        assert abs(a - b) <= 1e-5 * abs(a), runs[0]
+    for rank, run in enumerate(runs):  # {rank} in the template: each rank's files its own
+        mine = str(tmp_path / str(rank) / f"rank{rank}")
+        assert run["files"]["dir"] == mine
+        assert run["files"]["paths"], "the offloaded state is in files"
+        assert all(os.path.dirname(p) == mine for p in run["files"]["paths"]), run["files"]
+    saved = sorted(os.listdir(tmp_path / "ckpt" / "iter_0000003"))
+    expected = {"tp2xpp2": ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+                            "mp_rank_01_001"],
+                "pp2xdp2": ["mp_rank_00_000_dp000", "mp_rank_00_000_dp001",
+                            "mp_rank_00_001_dp000", "mp_rank_00_001_dp001"]}[name]
+    assert saved == expected
+
+
+def _launch(rank, world, port, extra, log_dir):
+    env = {**os.environ, **_env(rank, world, port), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    log = open(log_dir / f"rank{rank}.log", "w")
+    return subprocess.Popen([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"),
+                             *FLAGS, *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO)
+
+
+def _wait_all(procs, timeout):
+    deadline = time.time() + timeout
+    for p in procs:
+        p.wait(timeout=max(deadline - time.time(), 1))
+    return [p.returncode for p in procs]
+
+
+def test_unwritable_rank_directory_fails_every_rank_at_start(tmp_path):
+    """Rank 1's directory is missing: both ranks stop before the first step, and the
+    message names rank 1 and the path."""
+    (tmp_path / "0").mkdir()
+    port = _free_port()
+    extra = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--snake-offload",
+             "--snake-offload-dir", str(tmp_path / "{rank}")]
+    procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
+    assert _wait_all(procs, 240) != [0, 0]
+    for rank in range(2):
+        out = (tmp_path / f"rank{rank}.log").read_text()
+        assert "rank 1:" in out and str(tmp_path / "1") in out, out[-3000:]
+        assert "iteration" not in out.split("--snake-offload-dir check")[0].splitlines()[-1]
+    assert "iteration        1" not in (tmp_path / "rank0.log").read_text()
+
+
+def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
+    """SIGKILL one pipeline stage mid-run: the other exits with an error naming the lost
+    rank's peers, within the timeout, instead of hanging."""
+    port = _free_port()
+    extra = ["--pipeline-model-parallel-size", "2", "--train-iters", "100000",
+             "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "1"]
+    procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
+    log0 = tmp_path / "rank0.log"
+    deadline = time.time() + 240
+    while "iteration        2" not in log0.read_text():
+        assert procs[0].poll() is None and time.time() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    try:
+        procs[0].wait(timeout=120)
+    finally:
+        procs[0].kill()
+    assert procs[0].returncode not in (0, None)
+    assert time.time() - start < 120
+    out = log0.read_text()
+    assert "lost contact with another rank" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("world,flags,flag_named,says", [
+    (1, ["--snake-offload", "--global-batch-size", "8", "--snake-group-size", "3"],
+     "--snake-group-size", "must divide the 4 micro-batches"),
+    (2, ["--snake-offload", "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+         "--untie-embeddings-and-output-weights"],
+     "--pipeline-model-parallel-size", "--num-layers 3 is not divisible by 2 stages"),
+    (2, ["--snake-offload", "--pipeline-model-parallel-size", "2"],
+     "--untie-embeddings-and-output-weights", "spans the first and last stage"),
+    (1, ["--snake-group-size", "2"], "--snake-group-size", "add --snake-offload"),
+    (1, ["--snake-offload", "--snake-schedule", "horizontal", "--snake-group-size", "2"],
+     "--snake-group-size", "horizontal"),
+    (2, ["--sequence-parallel", "--tensor-model-parallel-size", "2"], "--sequence-parallel",
+     "transformer_engine"),
+    (1, ["--sequence-parallel"], "--sequence-parallel", "needs --tensor-model-parallel-size"),
+])
+def test_bad_parallel_flags_fail_naming_the_flag(monkeypatch, capsys, world, flags, flag_named,
+                                                 says):
+    from megatron_snake.training.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag_named}" in err and says in err, err
+
+
+@pytest.mark.parametrize("micro_batches,stages,expected", [(8, 1, 8), (8, 2, 2), (16, 2, 4),
+                                                           (6, 3, 1), (32, 4, 2)])
+def test_default_group_size_keeps_at_least_4_groups_per_extra_stage(micro_batches, stages,
+                                                                    expected):
+    from megatron_snake.training.arguments import default_group_size
+
+    assert default_group_size(micro_batches, stages) == expected
+
+
+def test_offload_dir_template_fields(monkeypatch):
+    from megatron_snake.training.offload import offload_dir_for_rank
+
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert offload_dir_for_rank("/nvme/{node}/{local_rank}/r{rank}", 13) == "/nvme/3/1/r13"
+    assert offload_dir_for_rank("/plain/dir", 5) == "/plain/dir"
+    with pytest.raises(ValueError, match=r"--snake-offload-dir.*\{node\}"):
+        offload_dir_for_rank("/nvme/{nodes}", 0)
