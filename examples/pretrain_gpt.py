@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py ...   # data parallel
     torchrun --nproc-per-node 4 examples/pretrain_gpt.py --snake-offload \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-        --untie-embeddings-and-output-weights --snake-offload-dir '/nvme/{local_rank}'
+        --snake-offload-dir '/nvme/{local_rank}'
                                                                # see docs/multinode.md
 """
 

@@ -267,3 +267,35 @@ def test_memory_limit_pins_units_and_auto_tiers_pick_host(megatron_world, tmp_pa
     from megatron_snake.training.offload import resolve_state_tiers
     resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20)
     assert (tiny.snake_param_tier, tiny.snake_optimizer_tier) == ("host", "nvme")
+
+
+def test_snake_groups_keep_one_unit_gradient_on_the_device(megatron_world, tmp_path):
+    """G = 2 of M = 4: after a group's backward a unit's partial fp32 gradient leaves the
+    device (the next group starts a fresh buffer; the last adds them), so the device never
+    holds more than the unit being swept; the weights still follow Megatron + AdamW."""
+    import functools
+
+    args = tiny_args("--untie-embeddings-and-output-weights", "--disable-bias-linear")
+    batches = [make_microbatches(4, seed=s) for s in range(2)]
+    torch.use_deterministic_algorithms(True)
+    reference, ours = build_model(args, megatron_world), build_model(args, megatron_world)
+    _reference(reference, batches, 0.0)
+    on_device_after_release = []
+    release = OffloadedUnits.release_unit
+
+    def spying_release(self, unit, *, gradients_final):
+        release(self, unit, gradients_final=gradients_final)
+        on_device_after_release.append(len(self._grads))
+
+    OffloadedUnits.release_unit = spying_release
+    try:
+        _snake(ours, batches, 0.0, 0.25, tmp_path, 1,
+               schedule=functools.partial(vertical_forward_backward, group_size=2))
+    finally:
+        OffloadedUnits.release_unit = release
+        torch.use_deterministic_algorithms(False)
+    assert on_device_after_release and max(on_device_after_release) == 0
+    ref = dict(reference.named_parameters())
+    for name, p in ours.named_parameters():
+        rel = ((p.detach() - ref[name].detach()).norm() / ref[name].detach().norm()).item()
+        assert rel <= 1e-6, f"{name}: relative weight difference {rel:.2e}"

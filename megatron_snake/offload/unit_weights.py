@@ -34,6 +34,7 @@ class OffloadedUnits:
         optimizer.on_weights = self.publish
         self._grad_views: dict[int, torch.Tensor] = {}
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
+        self._partial_grads: dict = {}  # layout key -> host sum of earlier snake groups
         self._shared_stale = False    # an update of the shared weights is not in place yet
         for lay in unit_params.units:
             flat = lay.gather(dtype=dtype)
@@ -134,12 +135,27 @@ class OffloadedUnits:
                     self.store.prefetch(("w", next_unit, part), tier="host")
 
     def release_unit(self, unit, *, gradients_final):
+        lay = self.params.units[unit]
         if gradients_final:
-            for lay in self.params.layouts_owned_by(unit):
-                grad = self._grads.pop(lay.key, None)
+            for owned in self.params.layouts_owned_by(unit):
+                grad = self._grads.pop(owned.key, None)
                 if grad is not None:
-                    self.optimizer.gradient_ready(lay.key, grad)
-        self._release_weights(self.params.units[unit])
+                    held = self._partial_grads.pop(owned.key, None)
+                    if held is not None:
+                        grad.add_(held.to(grad.device))
+                    self.optimizer.gradient_ready(owned.key, grad)
+        elif lay.key in self._grads:  # a snake group's backward; later groups add to it
+            self._spill_gradient(lay.key)
+        self._release_weights(lay)
+
+    def _spill_gradient(self, key) -> None:
+        """Move a unit's partial gradient (the groups swept so far) off the device, so the
+        device holds one unit's gradient at a time; the unit's next backward starts a fresh
+        buffer, and the final release adds the two (the shared layout stays: its units
+        span the whole sweep)."""
+        grad = self._grads.pop(key).to("cpu")
+        held = self._partial_grads.get(key)
+        self._partial_grads[key] = grad if held is None else held.add_(grad)
 
     # --- checkpoints -------------------------------------------------------------------
     def model_state_dict(self, module: torch.nn.Module) -> dict:

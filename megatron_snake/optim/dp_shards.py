@@ -16,6 +16,17 @@ import torch
 import torch.distributed as dist
 
 
+def all_reduce_on_backend(value: torch.Tensor, *, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small CPU-side figure (a norm, an overflow flag) over ``group``: NCCL
+    takes CUDA tensors only, so it travels through the current GPU there."""
+    if dist.get_backend(group) == "nccl":
+        moved = value.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(moved, op=op, group=group)
+        return moved.to(value.device)
+    dist.all_reduce(value, op=op, group=group)
+    return value
+
+
 @dataclass
 class PendingShard:
     """A launched reduce-scatter: ``work`` is torch.distributed's handle (None when there
@@ -84,10 +95,10 @@ class DataParallel:
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(value, group=self.group)
+            value = all_reduce_on_backend(value, group=self.group)
         return value
 
     def max(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+            value = all_reduce_on_backend(value, op=dist.ReduceOp.MAX, group=self.group)
         return value

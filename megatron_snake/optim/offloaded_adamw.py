@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_snake.optim.dp_shards import DataParallel
+from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
@@ -56,7 +57,7 @@ class OffloadedAdamW:
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
-                 model_parallel_group=None):
+                 model_parallel_group=None, embedding_group=None):
         if not 0.0 <= alpha <= 0.5:
             raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
@@ -67,8 +68,18 @@ class OffloadedAdamW:
         # group too, and a parameter every TP rank holds whole counts once (Megatron's rule).
         self.model_parallel_group = model_parallel_group
         self._in_norm = {seg.index for lay in self.layouts.values() for seg in lay.segments
-                         if model_parallel_group is None
-                         or param_is_not_tensor_parallel_duplicate(seg.param)}
+                         if param_is_not_shared(seg.param) and (
+                             model_parallel_group is None
+                             or param_is_not_tensor_parallel_duplicate(seg.param))}
+        # A tied embedding across pipeline stages: the first stage's embedding and the last
+        # stage's output weight are two copies whose gradients Megatron sums over its
+        # embedding group; their layouts wait for that sum until the step boundary.
+        self.embedding_group = embedding_group
+        self._tied = {key: [seg for seg in lay.segments
+                            if getattr(seg.param, "shared_embedding", False)]
+                      for key, lay in self.layouts.items()} if embedding_group is not None else {}
+        self._tied = {key: segs for key, segs in self._tied.items() if segs}
+        self._tied_pending: list = []  # [(key, flat gradient, all-reduce handles)]
         # fp16: Megatron's loss scaler. Gradients arrive scaled, and whether any of them
         # overflowed is known only at the step boundary, so every update waits for it.
         self.grad_scaler = grad_scaler
@@ -120,6 +131,9 @@ class OffloadedAdamW:
             self._hyper = StepHyper(self.iteration + 1, self.param_groups[0]["lr"],
                                     self.param_groups[0]["weight_decay"])
             self.collective_log = []
+        if key in self._tied:
+            self._launch_tied_sum(key, grad.detach().float())
+            return
         pending = self.dp.reduce_scatter_mean_async(grad.detach().float())
         if self.dp.size == 1:  # nothing in flight: use the gradient now
             self._gradient_shard(key, pending.wait())
@@ -135,6 +149,23 @@ class OffloadedAdamW:
             shard = pending.wait()
             self.collective_log.append(("wait", key))
             self._gradient_shard(key, shard)
+
+    def _launch_tied_sum(self, key, grad: torch.Tensor) -> None:
+        """Start summing the embedding copy's gradient with the other stage's. Not waited
+        for here: the other stage reaches its copy at another point of the step (the first
+        stage last of all), and a wait would stall the pipeline."""
+        works = [dist.all_reduce(grad[seg.offset:seg.offset + seg.numel],
+                                 group=self.embedding_group, async_op=True)
+                 for seg in self._tied[key]]
+        self._tied_pending.append((key, grad, works))
+
+    def _finish_tied_sums(self) -> None:
+        """At the step boundary: the summed embedding gradients take the usual path."""
+        pending, self._tied_pending = self._tied_pending, []
+        for key, grad, works in pending:
+            for work in works:
+                work.wait()
+            self._gradient_shard(key, self.dp.reduce_scatter_mean_async(grad).wait())
 
     def _gradient_shard(self, key, shard: torch.Tensor) -> None:
         """This rank's shard of the averaged gradient of ``key``: to the grad records, its
@@ -165,10 +196,12 @@ class OffloadedAdamW:
         """The step boundary: the global gradient norm is known now. Returns Megatron's
         (update_successful, grad_norm, num_zeros_in_grad)."""
         self._drain_reductions()  # the last unit's gradient: the end of the backward sweep
+        self._finish_tied_sums()
         if self.grad_scaler is not None:
             found = self.dp.max(self._found_inf)
             if self.model_parallel_group is not None:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+                found = all_reduce_on_backend(found, op=dist.ReduceOp.MAX,
+                                              group=self.model_parallel_group)
             found_inf = bool(found[0] > 0)
             self.grad_scaler.update(found_inf)
             self._found_inf.zero_()
@@ -187,7 +220,7 @@ class OffloadedAdamW:
             squares = torch.stack(norms).square().sum() if norms else torch.zeros([])
             squares = self.dp.sum(squares.reshape(1))
             if self.model_parallel_group is not None:  # every stage's and TP rank's share
-                dist.all_reduce(squares, group=self.model_parallel_group)
+                squares = all_reduce_on_backend(squares, group=self.model_parallel_group)
             total = squares.sqrt()[0]
         self._clip_coef = None
         if self.clip_grad:

@@ -238,15 +238,18 @@ def _validate_pipeline(args, parser) -> None:
                   "(--micro-batch-size x data-parallel size)); pick a divisor")
     elif args.snake_offload:
         args.snake_group_size = default_group_size(args.num_microbatches, pp)
+    if args.snake_offload and args.sequence_parallel:
+        _fail(parser, "--sequence-parallel", "is not supported with --snake-offload yet: the "
+              "offloaded optimizer does not all-reduce the sequence-parallel layer-norm "
+              "gradients across tensor-parallel ranks; drop one of the two flags")
+    if args.snake_activation_offload and not args.snake_offload and pp > 1:
+        _fail(parser, "--snake-activation-offload", "without --snake-offload wraps Megatron's "
+              "no-pipelining schedule; with --pipeline-model-parallel-size > 1 add "
+              "--snake-offload (offload inside each unit's recompute) or drop it")
     if args.snake_offload and pp > 1:
         if args.snake_schedule == "horizontal":
             _fail(parser, "--snake-schedule", "horizontal is a one-stage ablation; use "
                   "vertical with --pipeline-model-parallel-size > 1")
-        if not args.untie_embeddings_and_output_weights:
-            _fail(parser, "--untie-embeddings-and-output-weights", "is needed with "
-                  "--snake-offload and --pipeline-model-parallel-size > 1: a tied embedding "
-                  "spans the first and last stage, whose offloaded updates are not "
-                  "synchronised yet")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -93,8 +93,10 @@ _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def is_lost_peer(exc: BaseException) -> bool:
     """Whether a collective failed because another rank went away (or never answered)."""
     dist_error = getattr(dist, "DistError", None)
+    text = str(exc)
+    from_backend = any(name in text for name in ("gloo", "NCCL", "ProcessGroup"))
     return (dist_error is not None and isinstance(exc, dist_error)) or \
-        any(marker in str(exc) for marker in _LOST_PEER)
+        (from_backend and any(marker in text for marker in _LOST_PEER))
 
 
 def raise_unless_all_ranks_ok(error: BaseException | None, what: str) -> None:

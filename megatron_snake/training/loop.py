@@ -37,7 +37,8 @@ def _lm_loss(losses, microbatches) -> float:
     """Token-weighted mean over the step's micro-batches and data-parallel ranks, the way
     Megatron-LM averages ``lm loss``; under pipeline parallelism the last stage's figure,
     on every stage."""
-    totals = torch.zeros(2, dtype=torch.double)  # stays zero on a stage before the last
+    # stays zero on a stage before the last; on the batch's device, which NCCL needs
+    totals = torch.zeros(2, dtype=torch.double, device=microbatches[0]["loss_mask"].device)
     if losses:
         tokens = [mb["loss_mask"].sum() for mb in microbatches]
         totals = torch.stack([sum(l.float() * n for l, n in zip(losses, tokens)),

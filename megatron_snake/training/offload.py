@@ -35,9 +35,13 @@ def parse_size(text: str) -> int:
 
 
 def checkpoint_bytes_per_step(args) -> int:
-    """Unit checkpoints alive between the sweeps: (units - 1) x M x [s, b, h]."""
-    units = -(-args.num_layers // args.snake_checkpoint_interval)
-    per_checkpoint = args.seq_length * args.micro_batch_size * args.hidden_size * \
+    """Unit checkpoints alive between the sweeps on this pipeline stage: (units of the
+    stage - 1) x M x [s, b, h] (at most; a later stage adds what it received, a snake group
+    frees its checkpoints before the next group's backward)."""
+    layers = args.num_layers // args.pipeline_model_parallel_size
+    units = -(-layers // args.snake_checkpoint_interval)
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    per_checkpoint = seq * args.micro_batch_size * args.hidden_size * \
         torch.tensor([], dtype=args.params_dtype).element_size()
     return (units - 1) * args.num_microbatches * per_checkpoint
 
@@ -131,7 +135,9 @@ class OffloadedState:
         # the update; optimizer state and fp32 gradient written and read once each;
         # offloaded checkpoints written and read once.
         off_device_ckpt = ckpt if ckpt_tier in ("host", "nvme") else 0
-        read = 2 * (weights - pinned) + optim + grads + off_device_ckpt
+        # every snake group reads each unit in both sweeps
+        groups = args.num_microbatches // (args.snake_group_size or args.num_microbatches)
+        read = 2 * groups * (weights - pinned) + optim + grads + off_device_ckpt
         written = (weights - pinned) + optim + grads + off_device_ckpt
         units = sorted(self.weights.pinned)
         need, free = self.capacity
@@ -229,6 +235,18 @@ def _model_parallel_group():
     return None
 
 
+def _embedding_group(gpt):
+    """Megatron's group of the first and last pipeline stage when they hold the two copies
+    of a tied embedding (and this rank is in it), else None."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and \
+            gpt.share_embeddings_and_output_weights and \
+            parallel_state.is_rank_in_embedding_group():
+        return parallel_state.get_embedding_group()
+    return None
+
+
 def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
     limit and that the drive has room for all of it first)."""
@@ -256,7 +274,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
                                tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron(),
                                grad_scaler=grad_scaler(args),
-                               model_parallel_group=_model_parallel_group())
+                               model_parallel_group=_model_parallel_group(),
+                               embedding_group=_embedding_group(gpt))
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=args.snake_param_tier,
                              pinned=units_to_pin(args, params, dp_size))
