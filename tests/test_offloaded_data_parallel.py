@@ -58,7 +58,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
     distributed.initialize(device=device, seed=1234)
     args = tiny_args("--untie-embeddings-and-output-weights", "--disable-bias-linear",
                      "--lr", "5e-3", "--lr-warmup-iters", "1", "--train-iters", "3",
-                     "--clip-grad", str(clip), "--snake-alpha", "0.25")
+                     "--clip-grad", str(clip))
     batches = [make_microbatches(2, seed=100 * rank + s) for s in range(STEPS)]
 
     # Reference: Megatron's distributed optimizer.

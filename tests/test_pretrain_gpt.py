@@ -82,7 +82,9 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
     (["--snake-offlaod"], "--snake-offlaod"),
     (["--lr-warmup-iters", "20", "--train-iters", "20"], "--lr-warmup-iters"),
-    (["--snake-alpha", "0.7"], "--snake-alpha"),
+    (["--snake-offload", "--snake-alpha", "0.7"], "--snake-alpha"),
+    (["--snake-alpha", "0.3"], "--snake-alpha"),  # without --snake-offload: not ignored
+    (["--snake-gpu-memory-limit", "1GiB"], "--snake-gpu-memory-limit"),
     (["--snake-offload", "--snake-schedule", "horizontal", "--snake-activation-tier", "auto"],
      "--snake-activation-tier"),
     (["--snake-param-tier", "device"], "--snake-param-tier"),

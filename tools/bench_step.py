@@ -122,7 +122,7 @@ def gpt_flags(a, num_layers: int, num_mb: int) -> list[str]:
             "--micro-batch-size", str(a.gpu_micro_batch_size),
             "--global-batch-size", str(a.gpu_micro_batch_size * num_mb), "--bf16",
             "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--untie-embeddings-and-output-weights", "--snake-alpha", str(a.alpha)]
+            "--untie-embeddings-and-output-weights"]
 
 
 def layers_for_state(a, device_budget: int) -> int:
@@ -196,7 +196,8 @@ def bench_gpu(a, device, root) -> dict:
     layers = layers_for_state(a, budget)
     rows = []
     for num_mb in [int(x) for x in a.gpu_micro_batches.split(",")]:
-        args = parse_args(gpt_flags(a, layers, num_mb))
+        args = parse_args(gpt_flags(a, layers, num_mb) +
+                          ["--snake-offload", "--snake-alpha", str(a.alpha)])
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(a.gpu_fraction, device)
         snake = train_tokens_per_s(args, device, offload=True, store_dir=root,

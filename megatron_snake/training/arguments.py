@@ -12,6 +12,10 @@ import os
 import torch
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
+# Flags of the offloaded state: their defaults apply with --snake-offload, and given
+# without it they are an error.
+OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
+                         "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None}
 SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 # DeepSpeed's ZenFlow defaults for topk_ratio; fixed intervals where DeepSpeed says "auto".
@@ -161,16 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "or with --snake-offload inside each unit's recompute")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay in memory")
-    g.add_argument("--snake-param-tier", default="nvme", choices=("host", "nvme", "auto"),
-                   help="where unit working weights live between their uses; auto: host when "
+    g.add_argument("--snake-param-tier", default=None, choices=("host", "nvme", "auto"),
+                   help="where unit working weights live between their uses (default nvme "
+                        "with --snake-offload); auto: host when "
                         "they fit in a quarter of --snake-host-memory-limit, else nvme")
-    g.add_argument("--snake-optimizer-tier", default="nvme", choices=("host", "nvme", "auto"),
-                   help="where fp32 master weights, Adam moments and gradients live; auto: "
+    g.add_argument("--snake-optimizer-tier", default=None, choices=("host", "nvme", "auto"),
+                   help="where fp32 master weights, Adam moments and gradients live (default "
+                        "nvme with --snake-offload); auto: "
                         "host when they fit in what a quarter of --snake-host-memory-limit "
                         "leaves after the weights, else nvme")
-    g.add_argument("--snake-alpha", type=float, default=0.25,
+    g.add_argument("--snake-alpha", type=float, default=None,
                    help="fraction of each unit's optimizer update deferred from the backward "
-                        "sweep to the next forward sweep (0 to 0.5); with --clip-grad the "
+                        "sweep to the next forward sweep (0 to 0.5, default "
+                        f"{OFFLOAD_ONLY_DEFAULTS['--snake-alpha']}); with --clip-grad the "
                         "whole update waits for the global norm and runs in the forward sweep")
     g.add_argument("--snake-gpu-memory-limit", default=None,
                    help="compute-device memory the offloaded run may use (e.g. 40GiB); checked "
@@ -311,7 +318,14 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             args.snake_activation_tier == "auto":
         _fail(parser, "--snake-activation-tier", "auto applies to the vertical schedule's "
               "checkpoints (--snake-offload); use host or nvme with --snake-activation-offload")
-    if not 0.0 <= args.snake_alpha <= 0.5:
+    for flag, default in OFFLOAD_ONLY_DEFAULTS.items():  # nothing is silently ignored
+        attr = flag[2:].replace("-", "_")
+        if not args.snake_offload and getattr(args, attr) is not None:
+            _fail(parser, flag, "configures --snake-offload's offloaded state; add "
+                  "--snake-offload or drop the flag")
+        if args.snake_offload and getattr(args, attr) is None:
+            setattr(args, attr, default)
+    if args.snake_offload and not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
     _validate_pipeline(args, parser)
     if args.bf16 and args.fp16:
