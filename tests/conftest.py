@@ -72,3 +72,17 @@ def zero_gradients(model) -> None:
         model.zero_grad_buffer()
     for p in model.parameters():
         p.grad = None
+
+
+def expect_flag_error(capsys, flags: list[str], flag_named: str) -> str:
+    """pretrain_gpt's flags ``flags`` are refused with one argparse error naming
+    ``flag_named``; returns the error text."""
+    from megatron_snake.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag_named in err, err
+    assert err.count("error:") == 1
+    return err

@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import expect_flag_error
+
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -181,13 +183,8 @@ def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
 ])
 def test_bad_parallel_flags_fail_naming_the_flag(monkeypatch, capsys, world, flags, flag_named,
                                                  says):
-    from megatron_snake.training.arguments import parse_args
-
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(SystemExit) as exc:
-        parse_args(flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = expect_flag_error(capsys, flags, flag_named)
     assert f"error: {flag_named}" in err and says in err, err
 
 

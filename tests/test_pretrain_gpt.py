@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import expect_flag_error
 from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.loop import pretrain
 
@@ -92,12 +93,7 @@ def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
      "--snake-activation-tier"),
 ])
 def test_bad_flags_fail_naming_the_flag(capsys, flags, flag_named):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert flag_named in err, err
-    assert err.count("error:") == 1
+    expect_flag_error(capsys, flags, flag_named)
 
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])

@@ -19,7 +19,8 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from conftest import build_model, make_microbatches, megatron_forward_backward, tiny_args
+from conftest import (build_model, expect_flag_error, make_microbatches,
+                      megatron_forward_backward, tiny_args)
 from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow import ZenFlowAdamW, ZenFlowSettings
 from megatron_snake.training.arguments import parse_args
@@ -285,12 +286,7 @@ def test_data_parallel_ranks_update_the_same_columns():
     (["--snake-zenflow", "--fp16"], "--fp16"),
 ])
 def test_bad_zenflow_flags_fail_naming_the_flag(capsys, flags, flag_named):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert flag_named in err, err
-    assert err.count("error:") == 1
+    expect_flag_error(capsys, flags, flag_named)
 
 
 def test_zenflow_with_snake_offload_is_refused_naming_both(capsys):
