@@ -12,28 +12,22 @@ so the weights agree within float rounding: 1e-6 of each parameter's norm after 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron_snake.training.distributed import free_port, local_rank_env
+
 WORLD = 2
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, root: str, clip: float):
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_env(rank, WORLD, port))
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     from megatron.core.distributed import finalize_model_grads
@@ -122,7 +116,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_dp2_offloaded_adamw_equals_megatron_distributed_optimizer(tmp_path, clip):
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), clip), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path), clip), nprocs=WORLD, join=True)
 
 
 def _pretrain_main(rank: int, port: int, root: str):
@@ -130,8 +124,7 @@ def _pretrain_main(rank: int, port: int, root: str):
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_env(rank, WORLD, port))
     torch.set_num_threads(1)
     from megatron_snake.training import distributed
     from megatron_snake.training.arguments import parse_args
@@ -155,7 +148,7 @@ def test_dp2_pretrain_with_snake_offload(tmp_path):
     run, each rank saving its own optimizer shard."""
     import json
 
-    mp.spawn(_pretrain_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_pretrain_main, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     runs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in range(WORLD)]
     assert runs[0] == runs[1], "the logged loss is averaged over data-parallel ranks"
     for a, b in zip(runs[0]["megatron"], runs[0]["snake"]):

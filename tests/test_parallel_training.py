@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import expect_flag_error
+from megatron_snake.training.distributed import free_port, local_rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -28,22 +28,11 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--disable-bias-linear"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(rank: int, world: int, port: int) -> dict:
-    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def _pretrain_main(rank, world, port, root, parallel, snake_flags):
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(_env(rank, world, port))
+    os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
     from megatron_snake.training import distributed
     from megatron_snake.training.arguments import parse_args
@@ -85,7 +74,7 @@ def _pretrain_main(rank, world, port, root, parallel, snake_flags):
 def test_pretrain_parallel_snake_matches_megatron(tmp_path, name, world, parallel, snake_flags):
     for rank in range(world):
         (tmp_path / str(rank)).mkdir()
-    mp.spawn(_pretrain_main, args=(world, _free_port(), str(tmp_path), parallel, snake_flags),
+    mp.spawn(_pretrain_main, args=(world, free_port(), str(tmp_path), parallel, snake_flags),
              nprocs=world, join=True)
     runs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in range(world)]
     for run in runs:
@@ -107,7 +96,7 @@ def test_pretrain_parallel_snake_matches_megatron(tmp_path, name, world, paralle
 
 
 def _launch(rank, world, port, extra, log_dir):
-    env = {**os.environ, **_env(rank, world, port), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **local_rank_env(rank, world, port), "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     log = open(log_dir / f"rank{rank}.log", "w")
     return subprocess.Popen([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"),
@@ -126,7 +115,7 @@ def test_unwritable_rank_directory_fails_every_rank_at_start(tmp_path):
     """Rank 1's directory is missing: both ranks stop before the first step, and the
     message names rank 1 and the path."""
     (tmp_path / "0").mkdir()
-    port = _free_port()
+    port = free_port()
     extra = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--snake-offload",
              "--snake-offload-dir", str(tmp_path / "{rank}")]
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
@@ -141,7 +130,7 @@ def test_unwritable_rank_directory_fails_every_rank_at_start(tmp_path):
 def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
     """SIGKILL one pipeline stage mid-run: the other exits with an error naming the lost
     rank's peers, within the timeout, instead of hanging."""
-    port = _free_port()
+    port = free_port()
     extra = ["--pipeline-model-parallel-size", "2", "--train-iters", "100000",
              "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "1"]
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]

@@ -12,26 +12,16 @@ within 1e-6 relative, the per-micro-batch terms being summed in another order.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron_snake.training.distributed import free_port, local_rank_env
+
 REL_TOL = 1e-6
 NUM_MICROBATCHES = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _reference(model, mbs):
@@ -51,7 +41,7 @@ def _rank_main(rank, world, port, tp, pp, variants, errors_dir):
     import warnings
 
     warnings.filterwarnings("ignore")
-    _join_env(rank, world, port)
+    os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
@@ -128,7 +118,7 @@ VARIANTS = [("--untie-embeddings-and-output-weights",),
 def test_snake_groups_match_megatron_schedules(tmp_path, topology):
     world, tp, pp = TOPOLOGIES[topology]
     try:
-        mp.spawn(_rank_main, args=(world, _free_port(), tp, pp, VARIANTS, str(tmp_path)),
+        mp.spawn(_rank_main, args=(world, free_port(), tp, pp, VARIANTS, str(tmp_path)),
                  nprocs=world, join=True)
     except Exception:
         reports = sorted(tmp_path.glob("rank*.txt"))

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,11 +39,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not ins
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_snake.training.distributed import free_port, local_rank_env  # noqa: E402
 
 
 class P2PTimers:
@@ -92,8 +87,7 @@ class TimedCheckpoints:
 
 
 def _stage_main(rank, world, port, a, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_env(rank, world, port))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -177,7 +171,7 @@ def main(argv=None) -> int:
     if a.layers % a.stages:
         p.error(f"--layers {a.layers} is not divisible by --stages {a.stages}")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_stage_main, args=(a.stages, _free_port(), a, out_dir), nprocs=a.stages,
+        mp.spawn(_stage_main, args=(a.stages, free_port(), a, out_dir), nprocs=a.stages,
                  join=True)
         stages = [json.load(open(os.path.join(out_dir, f"stage{r}.json")))
                   for r in range(a.stages)]

@@ -29,10 +29,18 @@ def resolve_device(name: str = "auto") -> torch.device:
     raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a single-node rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of a one-node world (for processes a
+    test or benchmark spawns itself)."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
@@ -50,7 +58,7 @@ def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         world = dist.get_world_size()
