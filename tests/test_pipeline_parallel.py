@@ -83,12 +83,13 @@ def _compare_all(tp, pp, variants):
         zero_gradients(model)
         ref_losses = _reference(model, mbs)
         ref_grads = gradients(model)
-        for group_size in (1, 2, NUM_MICROBATCHES):
+        # interval 2: one unit per stage (the last stage's only unit is its loss unit)
+        for group_size, interval in ((1, 1), (2, 1), (NUM_MICROBATCHES, 1), (2, 2)):
             zero_gradients(model)
-            losses = vertical_forward_backward(model, mbs, checkpoint_interval=1,
+            losses = vertical_forward_backward(model, mbs, checkpoint_interval=interval,
                                                group_size=group_size)
             grads = gradients(model)
-            where = f"{extra} G={group_size} tp={tp} pp={pp}"
+            where = f"{extra} G={group_size} interval={interval} tp={tp} pp={pp}"
             if last_stage:
                 assert len(losses) == NUM_MICROBATCHES, where
                 for i, (ours, ref) in enumerate(zip(losses, ref_losses)):

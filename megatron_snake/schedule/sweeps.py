@@ -46,6 +46,10 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
     ends_model = units.owns_head(last)
     stop = last if (ends_model and not forward_only) else last + 1
     begin_group(store, group)
+    if inputs and stop == 0:  # the stage is one loss unit: nothing runs before the backward
+        for mb in group:      # sweep, which recomputes from what arrived
+            with compute_event(store, "F", 0, mb):
+                store.save_checkpoint(0, mb, inputs[mb])
     outputs = {}
     for unit in range(stop):
         store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None, for_backward=False)
