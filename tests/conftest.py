@@ -58,6 +58,19 @@ def megatron_forward_backward(model, microbatches, forward_only: bool = False):
     return reference(model, microbatches, forward_only=forward_only)
 
 
+def torch_adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """torch's fused AdamW with Megatron's no-decay rule (biases and 1-D parameters) and
+    Megatron's param-group keys, so Megatron's scheduler can drive it: the reference the
+    offloaded optimizers are compared with."""
+    from megatron_snake.optim.unit_params import no_weight_decay
+
+    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
+    no_decay = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+                              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
+                             lr=lr, fused=True)
+
+
 def gradients(model) -> dict[str, torch.Tensor]:
     """Accumulated gradients by name: ``main_grad`` under Megatron DDP, else ``grad``."""
     grads = {}

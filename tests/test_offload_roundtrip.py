@@ -170,6 +170,38 @@ def test_forwarding_serves_a_pending_put_from_memory(tmp_path):
         assert s.tiers("x") == ["nvme"] and torch.equal(s.get("x").wait(), t)
 
 
+def test_synchronize_waits_for_deletes(tmp_path):
+    """A delete's entry leaves the key table at once; synchronize() still waits until its
+    host buffers and swap space are free."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
+        s.put("h", torch.randn(50000), tier="host").wait()
+        s.put("n", torch.randn(50000), tier="nvme").wait()
+        gate = threading.Event()
+        s._exec.submit(gate.wait)              # the only worker is busy: the deletes queue
+        s.delete("h")
+        s.delete("n")
+        threading.Timer(0.2, gate.set).start()
+        s.synchronize()
+        assert s.pool.resident == 0 and s.pool.in_use == 0
+        assert sum(f.used for f in s._files.values()) == 0
+
+
+def test_a_read_result_is_freed_when_the_caller_drops_it(tmp_path):
+    """The store keeps no reference to what get() returned (on a GPU that is device
+    memory), even while the key stays."""
+    import gc
+    import weakref
+
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        s.put("x", torch.randn(50000), tier="nvme").wait()
+        got = s.get("x").wait()
+        alive = weakref.ref(got)
+        del got
+        gc.collect()
+        assert alive() is None
+        assert "x" in s
+
+
 def test_counters_and_summary(tmp_path, caplog):
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
         t = torch.randn(100000)                           # 400 KB

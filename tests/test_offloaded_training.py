@@ -14,14 +14,15 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from conftest import build_model, make_microbatches, megatron_forward_backward, tiny_args
+from conftest import (build_model, make_microbatches, megatron_forward_backward, tiny_args,
+                      torch_adamw)
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
 from megatron_snake.offload.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
-from megatron_snake.optim.unit_params import UnitParams, no_weight_decay
+from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.schedule.horizontal import horizontal_forward_backward
 from megatron_snake.schedule.unit_store import CombinedStore
 
@@ -36,11 +37,7 @@ def _scheduler(optimizer):
 
 
 def _reference(model, batches, clip):
-    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
-    no_decay = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD, "wd_mult": 1.0},
-                             {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
-                            lr=LR, fused=True)
+    opt = torch_adamw(model, LR, WD)
     sched = _scheduler(opt)
     losses = []
     for mbs in batches:

@@ -227,6 +227,19 @@ def test_fp16_overflow_skips_the_same_steps(megatron_world):
     assert pretrain(parse_args([*flags, "--snake-offload"])) == pretrain(parse_args(flags))
 
 
+def test_fp16_resume_restores_the_loss_scale(megatron_world, tmp_path):
+    """fp16 with --snake-offload: the dynamic loss scale (2^20 overflows this model's
+    first gradients and backs off) and its counters are part of the checkpoint, so a
+    resumed run skips exactly the steps the straight run skips (a fresh scaler would
+    overflow again after the resume)."""
+    flags = [*SMALL, *NO_DROPOUT, "--train-iters", "8", "--fp16", "--deterministic-mode",
+             "--initial-loss-scale", "1048576", "--snake-offload"]
+    full = pretrain(parse_args(flags))
+    pretrain(parse_args([*flags, "--exit-interval", "4", "--save", str(tmp_path)]))
+    resumed = pretrain(parse_args([*flags, "--load", str(tmp_path)]))
+    assert resumed == full[4:], (resumed, full[4:])
+
+
 def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_path, capfd):
     """--snake-offload --snake-activation-offload: the tensors autograd saves while a unit
     is recomputed go to NVMe too; dropout on, every loss bit-identical. The log line shows
@@ -239,6 +252,7 @@ def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_pa
                                      "--snake-activation-offload-min-bytes", "4096"]))
     assert offloaded == plain
     line = [l for l in capfd.readouterr().out.splitlines() if "iteration        3/" in l][0]
-    for part in ("checkpoints peak nvme", "saved tensors peak gpu", "prefetch wait",
+    for part in ("checkpoints peak (last step) nvme", "saved tensors peak (last step) gpu",
+                 "prefetch wait (cumulative)",
                  "other io wait"):
         assert part in line, line

@@ -20,8 +20,7 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from conftest import (build_model, expect_flag_error, make_microbatches,
-                      megatron_forward_backward, tiny_args)
-from megatron_snake.optim.unit_params import no_weight_decay
+                      megatron_forward_backward, tiny_args, torch_adamw)
 from megatron_snake.optim.zenflow import ZenFlowAdamW, ZenFlowSettings
 from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.loop import pretrain
@@ -59,11 +58,7 @@ def _train(model, batches, make_optimizer, before_step=None):
 
 
 def _torch_adamw(model):
-    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
-    no_decay = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD, "wd_mult": 1.0},
-                              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
-                             lr=LR, fused=True)
+    return torch_adamw(model, LR, WD)
 
 
 def _zenflow(**settings):

@@ -61,6 +61,7 @@ import weakref
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
 
 import torch  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from megatron_snake.offload.saved_tensors import (  # noqa: E402
     SavedTensorOffloader, megatron_activation_offload_forward_backward)
@@ -327,6 +328,8 @@ def main(argv=None) -> int:
                                    str(seq), "--hidden-dropout", "0", "--attention-dropout", "0"]
                                   + (["--bf16"] if a.bf16 else []))
                 model = build_gpt_model(args, a.vocab, device)
+                if a.bf16:  # as in training: Megatron's wrapper feeds the bf16 weights
+                    model = Float16Module(model.config, model)
                 for mbs in sizes:
                     r = bench_case(model, seq, mbs, a, device, store)
                     results.append(r)

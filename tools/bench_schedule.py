@@ -25,6 +25,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
 
 import torch  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
@@ -60,6 +61,8 @@ def bench_case(case, *, device, steps, warmup, bf16):
     args = parse_args(flags)
     vocab = 1024
     model = build_gpt_model(args, vocab, device)
+    if bf16:  # half-precision weights take fp32 inputs through Megatron's wrapper, as in training
+        model = Float16Module(model.config, model)
     config = model.config
     batches = random_microbatches(num_mb, mbs, seq, vocab, device=device)
 

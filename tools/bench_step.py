@@ -67,7 +67,8 @@ def bench_schedule(name, num_mb, a, store_dir, device):
         opt = OffloadedAdamW(params, tstore, lr=1e-4, weight_decay=0.01, alpha=a.alpha)
         weights = OffloadedUnits(params, tstore, opt, device=device, dtype=torch.float32)
         for step in range(a.warmup + a.steps):
-            batches = random_microbatches(num_mb, a.micro_batch_size, a.seq, vocab, seed=step)
+            batches = random_microbatches(num_mb, a.micro_batch_size, a.seq, vocab, seed=step,
+                                         device=device)
             before = {k: [list(v) for v in t.values()]
                       for k, t in tstore.counters.by_kind.items()}
             start = time.perf_counter()
@@ -76,6 +77,8 @@ def bench_schedule(name, num_mb, a, store_dir, device):
             store.checkpoints.finish_step()
             opt.step()
             tstore.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
             if step >= a.warmup:
                 times.append(elapsed)
@@ -197,7 +200,8 @@ def bench_gpu(a, device, root) -> dict:
     rows = []
     for num_mb in [int(x) for x in a.gpu_micro_batches.split(",")]:
         args = parse_args(gpt_flags(a, layers, num_mb) +
-                          ["--snake-offload", "--snake-alpha", str(a.alpha)])
+                          ["--snake-offload", "--snake-alpha", str(a.alpha)] +
+                          a.gpu_snake_flags.split())
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(a.gpu_fraction, device)
         snake = train_tokens_per_s(args, device, offload=True, store_dir=root,
@@ -245,6 +249,9 @@ def main(argv=None) -> int:
     g.add_argument("--gpu-micro-batch-size", type=int, default=1)
     g.add_argument("--gpu-micro-batches", default="8,16",
                    help="M values tried; the best tokens/s of each run is compared")
+    g.add_argument("--gpu-snake-flags", default="",
+                   help="more pretrain_gpt flags for the offloaded run, e.g. "
+                        "'--snake-optimizer-tier host --snake-host-memory-limit 48GiB'")
     a = p.parse_args(argv)
     device = distributed.resolve_device("auto")
     distributed.initialize(device=device, seed=1234)

@@ -6,7 +6,10 @@ we patch exactly these (see shared/MEGATRON_ON_CPU.md for how each was found):
 1. RNG tracker: Megatron's tracker saves and restores the CUDA generator. On CPU, dropout
    draws from the CPU generator, so the tracker must fork that one (it runs on every
    attention-dropout call, so it has to really work, not just not crash).
-2. ``torch.cuda.current_device()`` is used as a device in ~175 places: return ``"cpu"``.
+2. ``torch.cuda.current_device()`` is used as a device in ~175 places: return ``"cpu"`` in
+   the thread that runs Megatron (the one that applied the patches; CPU autograd runs there
+   too). Other threads keep torch's answer, so a store's copy streams still work where a
+   GPU is present.
 3. Pipeline p2p calls ``torch.cuda.synchronize()``: a no-op on CPU.
 4. Hard-coded ``device="cuda"``, ``.to("cuda")`` and ``.cuda()``: a TorchFunctionMode maps
    them to the CPU.
@@ -15,7 +18,9 @@ we patch exactly these (see shared/MEGATRON_ON_CPU.md for how each was found):
 
 ``PATCHED_SITES`` lists a source fragment of every Megatron site these patches stand in
 for; ``check_patched_sites()`` (and a test) fail loudly when a site moves or changes.
-Nothing here is applied when a GPU is the compute device.
+Nothing here is applied when a GPU is the compute device. Where a GPU is present but the
+compute device is the CPU (the CPU suite on a GPU machine), patches 2 and 4 hold in the
+patching thread only.
 """
 
 from __future__ import annotations
@@ -201,6 +206,19 @@ class CudaToCpuMode(TorchFunctionMode):
 _mode = None
 
 
+def _current_device_for(megatron_thread: int):
+    """Patch 2: "cpu" for Megatron's thread (and everywhere when torch has no GPU); torch's
+    own answer in other threads, which torch's CUDA calls there rely on."""
+    original = torch.cuda.current_device
+
+    def current_device():
+        if threading.get_ident() == megatron_thread or not torch.cuda.is_available():
+            return "cpu"
+        return original()
+
+    return current_device
+
+
 def apply(device: torch.device | str | None = None) -> bool:
     """Patch Megatron-Core for a CPU compute device. Returns True if patches are active.
 
@@ -216,7 +234,7 @@ def apply(device: torch.device | str | None = None) -> bool:
             return True
         check_patched_sites()
         _install_cpu_rng()
-        torch.cuda.current_device = lambda: "cpu"          # patch 2
+        torch.cuda.current_device = _current_device_for(threading.get_ident())  # patch 2
         torch.cuda.synchronize = lambda *args, **kwargs: None  # patch 3
         _mode = CudaToCpuMode()
         _mode.__enter__()  # stays active for the life of the process (this thread)

@@ -97,7 +97,7 @@ class ActivationPlanner:
         self._restart()
 
     def _restart(self):
-        self.recorder, self._profiled, self.plan = LifetimeRecorder(), 0, None
+        self.recorder, self._profiled, self.plan = LifetimeRecorder(self.device), 0, None
         self._event_names, self._microbatches = [], None
 
     def step_store(self, num_microbatches: int, *, forward_only: bool = False):

@@ -8,8 +8,11 @@ A GDS record is one extent: [record header block, 4096 bytes, written through th
 engine][payload, written by kvikio from GPU memory]. The payload checksum is computed on the
 GPU (`gpu_checksum`: a position-weighted 64-bit sum of the 32-bit words, in chunks) so the
 bytes never touch host memory; it is verified on every read like the crc32c of host records.
+The store runs it on its copy streams, never on the compute stream. kvikio reads into GPU
+memory outside any stream's order, so the store waits on the host until the destination is
+free before a GDS read.
 
-Not exercised in CI (no GPU there); see docs/benchmarks_io.md for the state of testing.
+Not exercised in CI (no GPU there); docs/benchmarks.md says what was measured on a GPU.
 """
 
 import logging
@@ -39,31 +42,50 @@ def gpu_checksum(byte_view, chunk_words=1 << 24):
     return int(((s1 << 2) ^ s2 ^ n) & 0xFFFFFFFFFFFFFFFF)
 
 
+def _cufile_in_use(kvikio) -> tuple[bool, str]:
+    """Whether kvikio's reads and writes go through cuFile (GPUDirect), and why not.
+
+    kvikio's compat mode is ON (POSIX I/O through host memory: nothing gained over our own
+    engine), OFF (cuFile, or an error) or AUTO (cuFile when the system allows it, else
+    POSIX); under AUTO kvikio itself says which it prefers."""
+    defaults = kvikio.defaults
+    try:
+        mode = defaults.compat_mode() if hasattr(defaults, "compat_mode") \
+            else defaults.get("compat_mode")
+    except Exception as exc:  # noqa: BLE001 - an old or broken kvikio
+        return False, f"cannot read kvikio's compat mode ({exc})"
+    name = str(getattr(mode, "name", mode)).upper()
+    if name in ("ON", "TRUE", "1"):
+        return False, "KVIKIO_COMPAT_MODE is ON"
+    if name in ("OFF", "FALSE", "0"):
+        return True, ""
+    preferred = getattr(defaults, "is_compat_mode_preferred", None)
+    if preferred is None:
+        return False, f"compat mode {name} and this kvikio cannot say which it will use"
+    if preferred():
+        return False, (f"compat mode {name}: cuFile is unavailable here (no libcufile, no "
+                       "nvidia-fs, or /run/udev unreadable)")
+    return True, ""
+
+
 class GdsBackend:
     @classmethod
     def create(cls):
         """A backend, or None (with a log line saying why) when GDS cannot be used."""
         if not torch.cuda.is_available():
-            log.warning("--snake-offload-engine gds: no GPU; using the native engine")
+            log.warning("--snake-io-engine gds: no GPU; using the native engine")
             return None
         try:
             import kvikio
             import kvikio.defaults
         except ImportError as exc:
-            log.warning("--snake-offload-engine gds: kvikio is not installed (%s); using the native "
+            log.warning("--snake-io-engine gds: kvikio is not installed (%s); using the native "
                         "engine through the pinned host pool", exc)
             return None
-        compat = None
-        try:
-            compat = kvikio.defaults.compat_mode()
-        except AttributeError:
-            try:
-                compat = kvikio.defaults.get("compat_mode")
-            except Exception:  # noqa: BLE001
-                compat = None
-        if compat is not None and str(compat) not in ("False", "CompatMode.OFF", "0"):
-            log.warning("--snake-offload-engine gds: kvikio runs in compatibility mode (%s: cuFile/"
-                        "GDS driver not available); using the native engine", compat)
+        direct, why = _cufile_in_use(kvikio)
+        if not direct:
+            log.warning("--snake-io-engine gds: kvikio would not use cuFile (%s); using the "
+                        "native engine through the pinned host pool", why)
             return None
         log.info("offload: GPUDirect Storage through kvikio %s", getattr(kvikio, "__version__", "?"))
         return cls(kvikio)

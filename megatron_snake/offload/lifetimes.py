@@ -8,13 +8,16 @@ interval produces and uses:
     rec.begin(("F", unit, mb))           # before the unit runs
     rec.used(("ckpt", unit, mb))          # it reads this checkpoint
     rec.produced(("ckpt", unit + 1, mb), out.nbytes)
-    rec.end(("F", unit, mb))              # on a GPU: synchronize first
+    rec.end(("F", unit, mb))
     rec.step()                            # at the end of each profiled iteration
     timeline, lifetimes = rec.finish()
 
 Events are identified by their position in the timeline; a lifetime says in which event a
-tensor is produced and in which later events it is used. `measure_tier_bandwidth` times a
-put/get round trip through a TensorStore for the bandwidths the planner needs.
+tensor is produced and in which later events it is used. On a GPU an event's duration is the
+device's: CUDA events recorded on the compute stream at begin and end, read once at the end
+of each iteration (the host's clock would time kernel launches, not kernels).
+`measure_tier_bandwidth` times a put/get round trip through a TensorStore for the
+bandwidths the planner needs.
 """
 
 from __future__ import annotations
@@ -84,30 +87,61 @@ def validate(lifetimes: list[TensorLifetime], timeline: Timeline) -> None:
             raise ValueError(f"event {e.name!r}: negative duration or working set")
 
 
+class _HostClock:
+    """Durations on the host's clock (the compute device is the CPU)."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return end - start
+
+
+class _CudaClock:
+    """Durations on the device: timing events on the current (compute) stream, read after
+    the iteration's work is done, so profiling adds no host synchronisation per event."""
+
+    def mark(self):
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class LifetimeRecorder:
     """Records one or more iterations; `finish` returns the timeline (durations averaged over
     the iterations after the first, which is warm-up, when there are several with the same
-    events) and the lifetimes of the last iteration."""
+    events) and the lifetimes of the last iteration. ``device``: the compute device, whose
+    clock times the events (a CUDA device's own, else the host's)."""
 
-    def __init__(self):
+    def __init__(self, device=None):
+        cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self._clock = _CudaClock() if cuda else _HostClock()
         self._iters: list[tuple[list[Event], dict]] = []
         self._reset()
 
     def _reset(self):
         self._events: list[Event] = []
+        self._marks: list = []      # (start, end) clock marks of each event, read at step()
         self._tensors: dict = {}    # key -> [nbytes, produced_at, [uses]]
-        self._open = None           # (name, t0)
+        self._open = None           # (name, start mark)
 
     def begin(self, name) -> None:
         if self._open is not None:
             raise RuntimeError(f"begin({name!r}) while event {self._open[0]!r} is open")
-        self._open = (name, time.perf_counter())
+        self._open = (name, self._clock.mark())
 
     def end(self, name, working_bytes: int = 0) -> None:
         if self._open is None or self._open[0] != name:
             raise RuntimeError(f"end({name!r}) does not match the open event "
                                f"{None if self._open is None else self._open[0]!r}")
-        self._events.append(Event(name, time.perf_counter() - self._open[1], int(working_bytes)))
+        self._marks.append((self._open[1], self._clock.mark()))
+        self._events.append(Event(name, 0.0, int(working_bytes)))  # duration read at step()
         self._open = None
 
     def _current(self, what, key) -> int:
@@ -134,7 +168,9 @@ class LifetimeRecorder:
         if self._open is not None:
             raise RuntimeError(f"step() while event {self._open[0]!r} is open")
         if self._events:
-            self._iters.append((self._events, self._tensors))
+            events = [Event(e.name, self._clock.seconds(start, end), e.working_bytes)
+                      for e, (start, end) in zip(self._events, self._marks)]
+            self._iters.append((events, self._tensors))
         self._reset()
 
     def finish(self) -> tuple[Timeline, list[TensorLifetime]]:

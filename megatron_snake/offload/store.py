@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +64,25 @@ class Handle:
         if self._future.done():        # nothing to wait for: count no time
             return self._future.result()
         t0 = time.perf_counter()
-        result = self._future.result()
+        with torch.profiler.record_function("snake/store.wait"):
+            result = self._future.result()
         self._store.counters.add_blocked(time.perf_counter() - t0, prefetched)
         return result
+
+
+def _completion(future):
+    """A future that completes (or fails) with ``future`` but holds no result."""
+    done = Future()
+
+    def settle(f):
+        exc = f.exception()
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    future.add_done_callback(settle)
+    return done
 
 
 class _Done:
@@ -173,8 +189,44 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def _host_event():
+    """A CUDA event the host can wait on without spinning a core (the store's workers wait
+    on copies while the main thread and the optimizer need the CPU)."""
+    return torch.cuda.Event(blocking=True)
+
+
+def _run_copy(stream, copy):
+    """Run ``copy()`` on ``stream`` (the current stream when None) and block this worker
+    until the device has done it. Returns what copy() returns."""
+    with _on(stream):
+        out = copy()
+        done = _host_event()
+        done.record()
+    done.synchronize()
+    return out
+
+
+def _wait_for(stream, event):
+    """Order ``stream``'s later work after ``event``; with no copy stream, block the host."""
+    if event is None:
+        return
+    if stream is not None:
+        stream.wait_event(event)
+    else:
+        event.synchronize()
+
+
 def _contiguous(t):
     return t if t.is_contiguous() else _bits(t).contiguous().view(t.dtype)
+
+
+def default_device() -> torch.device:
+    """The store's device when none is given: the current GPU, else the CPU. Read from
+    torch's C API: ``torch.cuda.current_device`` may be replaced in a process that also
+    runs Megatron on the CPU (megatron_snake.compat)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch._C._cuda_getDevice())
+    return torch.device("cpu")
 
 
 class TensorStore:
@@ -182,10 +234,7 @@ class TensorStore:
                  device=None, buffer_bytes=8 << 20, queue_depth=32, io_threads=4, workers=4,
                  chunk_bytes=1 << 20, free_space_probe=None, write_probe=None, pin_memory=None):
         self.run_id = uuid.uuid4().bytes
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else default_device()
         dir_kwargs = {}
         if free_space_probe is not None:
             dir_kwargs["free_space_probe"] = free_space_probe
@@ -211,6 +260,7 @@ class TensorStore:
         self._files = {}
         self._lock = threading.Lock()
         self._seq = 0
+        self._deleting = set()     # futures of deletes not yet done (their entries are gone)
         self._exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snake-store")
         self._cuda = torch.cuda.is_available() and self.device.type == "cuda"
         self._d2h = self._h2d = None      # copy streams (CUDA only); None = current stream
@@ -249,18 +299,22 @@ class TensorStore:
             device = torch.device(device) if device is not None else (
                 out.device if out is not None else e.device)
             dst = self._new_dest(e, device, dtype, out)
-            # dst (or out) belongs to the caller's stream: our copy stream waits for it
+            result = out if out is not None else dst if dtype in (None, e.dtype) else \
+                torch.empty(e.shape, dtype=dtype, device=device)
+            # dst and result are made on (or belong to) the caller's stream: our copy stream
+            # waits for it, and fills them there
             free = self._record_ready(dst)
             # One read of e.source: the put's worker clears it without taking our lock.
             source = e.source
             if source is not None and not (source.is_cuda or dst.is_cuda):
                 # forwarding: the put is still writing; serve it from memory right now
-                return Handle(_Done(self._run_forward(source, None, None, dst, out, dtype)), self)
+                return Handle(_Done(self._run_forward(source, None, None, dst, result)), self)
             if source is not None:           # forwarding, CUDA: on the copy stream
-                fut = self._exec.submit(self._run_forward, source, e.ready, free, dst, out, dtype)
+                fut = self._exec.submit(self._run_forward, source, e.ready, free, dst, result)
             else:
-                fut = self._exec.submit(self._run_get, e, e.last, free, dst, out, dtype)
-                e.last = fut
+                fut = self._exec.submit(self._run_get, e, e.last, free, dst, result)
+                e.last = _completion(fut)   # later operations wait for it, without
+                # holding the tensor it returns (the caller's, freed when the caller drops it)
         return Handle(fut, self)
 
     def prefetch(self, key, tier="host"):
@@ -282,6 +336,9 @@ class TensorStore:
                 return Handle(_Done(), self)
             fut = self._exec.submit(self._run_delete, e, e.last)
             e.last = fut
+            # the entry is gone from _entries: synchronize() finds its delete here
+            self._deleting.add(fut)
+        fut.add_done_callback(self._deleting.discard)
         return Handle(fut, self)
 
     def __contains__(self, key):
@@ -319,6 +376,7 @@ class TensorStore:
         """Wait for every pending operation (errors are raised by their own handles)."""
         with self._lock:
             pending = [e.last for e in self._entries.values() if e.last is not None]
+            pending += list(self._deleting)
         for f in pending:
             try:
                 f.result()
@@ -395,8 +453,9 @@ class TensorStore:
         return f
 
     def _record_ready(self, tensor):
+        """An event after the work queued so far on ``tensor``'s stream (the caller's)."""
         if tensor.is_cuda:
-            ev = torch.cuda.Event()
+            ev = _host_event()
             ev.record(torch.cuda.current_stream(tensor.device))
             return ev
         return None
@@ -411,14 +470,15 @@ class TensorStore:
                 return out
         return torch.empty(e.shape, dtype=e.dtype, device=device)
 
-    def _finish(self, dst, out, dtype):
-        if out is not None:
-            if out is not dst:
-                _bitcopy(out, dst)
-            return out
-        if dtype is not None and dtype != dst.dtype:
-            return dst.to(dtype)
-        return dst
+    def _finish(self, dst, result):
+        """Fill ``result`` (out, or the converted dtype) from dst on the copy stream: it is
+        complete when this worker returns, whichever stream the caller is on."""
+        if result is not dst:
+            if result.is_cuda or dst.is_cuda:
+                _run_copy(self._h2d, lambda: _bitcopy(result, dst, non_blocking=True))
+            else:
+                _bitcopy(result, dst)
+        return result
 
     def _wait_prev(self, prev):
         if prev is not None:
@@ -430,53 +490,41 @@ class TensorStore:
 
     # ---------------------------------------------------------------- copies
 
+    @staticmethod
+    def _payload(buf, n):
+        """The first n payload bytes of a host buffer (after its record header)."""
+        return buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + n]
+
     def _to_buffer(self, buf, src_bytes, a, b):
         """src_bytes[a:b] -> buf payload. src_bytes is a uint8 view on any device."""
-        dst = buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + (b - a)]
+        dst = self._payload(buf, b - a)
         if src_bytes.is_cuda:
-            with _on(self._d2h):
-                dst.copy_(src_bytes[a:b], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-            ev.synchronize()
+            _run_copy(self._d2h, lambda: dst.copy_(src_bytes[a:b], non_blocking=True))
         else:
             dst.copy_(src_bytes[a:b])
 
     def _from_buffer(self, buf, dst_bytes, a, b):
-        src = buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + (b - a)]
+        src = self._payload(buf, b - a)
         if dst_bytes.is_cuda:
-            with _on(self._h2d):
-                dst_bytes[a:b].copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-            ev.synchronize()
+            _run_copy(self._h2d, lambda: dst_bytes[a:b].copy_(src, non_blocking=True))
         else:
             dst_bytes[a:b].copy_(src)
 
     def _contiguous_source(self, tensor, ready):
         if ready is not None:
-            if self._d2h is not None:
-                self._d2h.wait_event(ready)
-            else:
-                ready.synchronize()
-            with _on(self._d2h):
-                src = _contiguous(tensor)
-                ev = torch.cuda.Event()
-                ev.record()
-            ev.synchronize()
-            return src
+            _wait_for(self._d2h, ready)
+            return _run_copy(self._d2h, lambda: _contiguous(tensor))
         return _contiguous(tensor)
 
     # ---------------------------------------------------------------- tier writers
 
     def _write_gpu(self, e, src):
         if src.is_cuda or self.device.type == "cuda":
-            with _on(self._h2d):
-                copy = torch.empty(e.shape, dtype=e.dtype, device=self.device)
-                _bitcopy(copy, src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-            ev.synchronize()
+            def copy():
+                out = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                _bitcopy(out, src, non_blocking=True)
+                return out
+            copy = _run_copy(self._h2d, copy)
         else:
             copy = torch.empty(e.shape, dtype=e.dtype, device=self.device)
             _bitcopy(copy, src)
@@ -487,8 +535,13 @@ class TensorStore:
         segs = self._segments(e.nbytes)
         bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
         try:
-            for buf, (_, a, b) in zip(bufs, segs):
-                self._to_buffer(buf, src_bytes, a, b)
+            if src_bytes.is_cuda:  # every segment's copy queued, one wait for them all
+                _run_copy(self._d2h, lambda: [
+                    self._payload(buf, b - a).copy_(src_bytes[a:b], non_blocking=True)
+                    for buf, (_, a, b) in zip(bufs, segs)])
+            else:
+                for buf, (_, a, b) in zip(bufs, segs):
+                    self._to_buffer(buf, src_bytes, a, b)
         except BaseException:
             self.pool.release(bufs, resident=True)
             raise
@@ -579,8 +632,9 @@ class TensorStore:
         off, length = f.allocate(HEADER_BLOCK + e.nbytes)
         buf, = self.pool.acquire(1)
         try:
-            write_record_header(buf.addr, self.run_id, e.khash, e.seq, 0, e.nbytes,
-                                gpu_checksum(src_bytes))
+            with _on(self._d2h):       # off the compute stream
+                crc = gpu_checksum(src_bytes)
+            write_record_header(buf.addr, self.run_id, e.khash, e.seq, 0, e.nbytes, crc)
             req = self.engine.write(f.fd, f.path, buf.addr, HEADER_BLOCK, off)
             try:
                 self.gds.write(f.path, src_bytes, off + HEADER_BLOCK)
@@ -614,7 +668,8 @@ class TensorStore:
         if n != e.nbytes:
             raise IntegrityError(f"key {e.key!r}: record in {f.path} is truncated "
                                  f"(GDS read {n} of {e.nbytes} bytes)")
-        got = gpu_checksum(dst_bytes)
+        with _on(self._h2d):           # off the compute stream
+            got = gpu_checksum(dst_bytes)
         if got != crc:
             raise IntegrityError(f"key {e.key!r}: record in {f.path} is corrupt: GPU checksum "
                                  f"mismatch (stored {crc:x}, computed {got:x})")
@@ -684,19 +739,21 @@ class TensorStore:
             return
         if e.gpu is not None:
             if dst.is_cuda or e.gpu.is_cuda:
-                with _on(self._h2d):
-                    _bitcopy(dst, e.gpu, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                ev.synchronize()
+                _run_copy(self._h2d, lambda: _bitcopy(dst, e.gpu, non_blocking=True))
             else:
                 _bitcopy(dst, e.gpu)
             self.counters.add("gpu", nread=e.nbytes, kind=e.kind)
             return
         dst_bytes = _as_bytes(dst)
         if e.host is not None:
-            for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes)):
-                self._from_buffer(buf, dst_bytes, a, b)
+            segs = self._segments(e.nbytes)
+            if dst_bytes.is_cuda:  # every segment's copy queued, one wait for them all
+                _run_copy(self._h2d, lambda: [
+                    dst_bytes[a:b].copy_(self._payload(buf, b - a), non_blocking=True)
+                    for buf, (_, a, b) in zip(e.host, segs)])
+            else:
+                for buf, (_, a, b) in zip(e.host, segs):
+                    self._from_buffer(buf, dst_bytes, a, b)
             self.counters.add("host", nread=e.nbytes, kind=e.kind)
             return
         if e.nvme is not None and e.gds:
@@ -706,7 +763,7 @@ class TensorStore:
                 with _on(self._h2d):
                     tmp = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
                 self._read_nvme_gds(e, tmp)
-                dst_bytes.copy_(tmp)
+                _run_copy(self._h2d, lambda: dst_bytes.copy_(tmp))
             return
         if e.nvme is not None:
             self._read_nvme(e, dst_bytes=dst_bytes)
@@ -751,33 +808,25 @@ class TensorStore:
         finally:
             e.source = e.ready = None
 
-    def _run_forward(self, source, ready, free, dst, out, dtype):
+    def _run_forward(self, source, ready, free, dst, result):
         if dst.is_cuda or source.is_cuda:
-            stream = self._h2d
             for ev in (ready, free):
-                if ev is not None:
-                    if stream is not None:
-                        stream.wait_event(ev)
-                    else:
-                        ev.synchronize()
-            with _on(stream):
-                _bitcopy(dst, source, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-            ev.synchronize()
+                _wait_for(self._h2d, ev)
+            _run_copy(self._h2d, lambda: _bitcopy(dst, source, non_blocking=True))
         else:
             _bitcopy(dst, source)
-        return self._finish(dst, out, dtype)
+        return self._finish(dst, result)
 
-    def _run_get(self, e, prev, free, dst, out, dtype):
+    def _run_get(self, e, prev, free, dst, result):
         self._wait_prev(prev)
-        if free is not None:
-            if self._h2d is not None:
-                self._h2d.wait_event(free)
-            else:
-                free.synchronize()
+        if e.gds and e.gpu is None and e.host is None and dst.is_cuda:
+            # kvikio writes into dst outside any stream's order: wait here, on the host,
+            # until the caller's stream is done with dst
+            _wait_for(None, free)
+        else:
+            _wait_for(self._h2d, free)
         self._read_into(e, dst)
-        return self._finish(dst, out, dtype)
+        return self._finish(dst, result)
 
     def _run_prefetch(self, e, prev, tier):
         self._wait_prev(prev)

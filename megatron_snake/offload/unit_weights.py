@@ -80,10 +80,11 @@ class OffloadedUnits:
         bounds = part_bounds(lay.numel, self.alpha, self.dp)
         return [(part, (lo, hi)) for part, (lo, hi) in zip(PARTS, bounds) if hi > lo]
 
-    def _read_flat(self, lay, device=None) -> torch.Tensor:
-        """The layout's whole flat of working weights: this rank's records, all-gathered."""
+    def _read_flat(self, lay) -> torch.Tensor:
+        """The layout's whole flat of working weights on the compute device: this rank's
+        records, all-gathered."""
         start, end, _ = self.dp.shard(lay.numel)
-        local = torch.empty(end - start, dtype=self.dtype, device=device or self.device)
+        local = torch.empty(end - start, dtype=self.dtype, device=self.device)
         handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start])
                    for part, (lo, hi) in self.record_parts(lay)]
         for handle in handles:
@@ -167,7 +168,9 @@ class OffloadedUnits:
         state = module.state_dict()
         name_of = {id(p): n for n, p in module.named_parameters()}
         for lay in self.params.units:
-            flat = self._read_flat(lay, device="cpu")
+            # gathered on the compute device (NCCL gathers device tensors only), one unit
+            # at a time, then brought to the CPU
+            flat = self._read_flat(lay).cpu()
             for seg, view in zip(lay.segments, lay.views(flat)):
                 state[name_of[id(seg.param)]] = view.clone()
         return state

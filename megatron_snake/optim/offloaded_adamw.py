@@ -84,6 +84,8 @@ class OffloadedAdamW:
         # overflowed is known only at the step boundary, so every update waits for it.
         self.grad_scaler = grad_scaler
         self._found_inf = torch.zeros(1)
+        self._inv_scale = 1.0
+        self._read_loss_scale()
         # Called with (layout key, part, new working values) after each part's update.
         self.on_weights = on_weights
         # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
@@ -177,7 +179,7 @@ class OffloadedAdamW:
             self._found_inf.fill_(max(float(self._found_inf), float(not shard.isfinite().all())))
             # Unscaled once, here, as Megatron unscales main grads before the norm: the grad
             # records hold true gradients.
-            shard = shard * (1.0 / self.grad_scaler.scale)
+            shard = shard * self._inv_scale
         for seg, piece in lay.pieces(start, end):
             self._norms[seg.index] = torch.linalg.vector_norm(
                 shard[piece.start - start:piece.stop - start])
@@ -204,6 +206,7 @@ class OffloadedAdamW:
                                               group=self.model_parallel_group)
             found_inf = bool(found[0] > 0)
             self.grad_scaler.update(found_inf)
+            self._read_loss_scale()
             self._found_inf.zero_()
             if found_inf:  # Megatron skips the step: drop this step's gradients
                 for key, part in list(self._deferred):
@@ -256,7 +259,8 @@ class OffloadedAdamW:
                 fut = self._running.pop((key, part), None)
             if fut is not None and not fut.done():
                 t0 = time.perf_counter()
-                fut.result()
+                with torch.profiler.record_function("snake/optimizer.wait"):
+                    fut.result()
                 self.blocked_s += time.perf_counter() - t0
             elif fut is not None:
                 fut.result()
@@ -273,6 +277,8 @@ class OffloadedAdamW:
         self.flush()
         state = {"iteration": self.iteration, "alpha": self.alpha,
                  "param_groups": [dict(g) for g in self.param_groups], "layouts": {}}
+        if self.grad_scaler is not None:  # fp16: the loss scale and its growth/backoff counters
+            state["grad_scaler"] = self.grad_scaler.state_dict()
         for key in self.layouts:
             state["layouts"][key] = {
                 name: torch.cat([self.store.get((name, key, part)).wait() for part in PARTS])
@@ -287,6 +293,9 @@ class OffloadedAdamW:
                            "--snake-checkpoint-interval?")
         self.flush()
         self.iteration = state["iteration"]
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+            self._read_loss_scale()
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         for key, lay in self.layouts.items():
@@ -297,6 +306,13 @@ class OffloadedAdamW:
                     self.store.put((name, key, part), shard[lo - start:hi - start].contiguous(),
                                    tier=self.tier, kind="optim")
         self.store.synchronize()
+
+    def _read_loss_scale(self) -> None:
+        """Megatron's scale is a device tensor that changes only in step(): read it there,
+        at the step boundary, as the number the host-side shards are unscaled by (not in
+        the backward sweep, where reading it would stall the host)."""
+        if self.grad_scaler is not None:
+            self._inv_scale = 1.0 / float(self.grad_scaler.scale)
 
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is not None:

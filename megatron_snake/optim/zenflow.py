@@ -44,6 +44,7 @@ a worker thread adds it to the window's sum once the copy is done and runs the C
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -155,6 +156,10 @@ class ZenFlowAdamW:
             self.params.append(_Param(name, p, not no_weight_decay(name, p), p.dim() != 2,
                                       master, _host_empty(shape, pin), _host_empty(shape, pin)))
         self.pin = self.device.type == "cuda"
+        # the other columns' gradients leave the device on their own stream, so the copies
+        # never queue in front of the next forward's kernels
+        self._copy_stream = torch.cuda.Stream(self.device) if self.pin else None
+        self._step_tensors: dict = {}  # device -> (step, 0-d tensor): one per step, not per param
         self.iteration = 0      # completed steps: the device side's AdamW step count
         self.host_step = 0      # AdamW steps the host state has taken
         self.window = 0         # steps accumulated since the last CPU update started
@@ -163,6 +168,7 @@ class ZenFlowAdamW:
         self._pending: Future | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-adamw")
         self.traffic = Traffic()
+        self._coef_value = None    # this step's clip coefficient as a number (host adds)
 
     # --- the interface the loop drives ------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -175,7 +181,7 @@ class ZenFlowAdamW:
     @torch.no_grad()
     def step(self):
         grads = [p.grad() for p in self.params]
-        norm, coef = self._clip(grads)
+        norm, coef, self._coef_value = self._clip(grads)
         self.iteration += 1
         if self.iteration <= self.settings.full_warmup_steps:
             self._exact_host_step(grads, coef)
@@ -207,12 +213,16 @@ class ZenFlowAdamW:
     # --- pieces of a step ------------------------------------------------------------------
     def _clip(self, grads):
         """torch.nn.utils.clip_grad_norm_'s arithmetic: per-parameter norms, then the norm
-        of those, clip coefficient clamped to 1 (applied even when it is 1, as torch does)."""
+        of those, clip coefficient clamped to 1 (applied even when it is 1, as torch does).
+        Returns (norm, coefficient on the device or None, coefficient as a number or None),
+        the two numbers read in one host synchronisation."""
         norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
         total = torch.linalg.vector_norm(norms)
-        coef = torch.clamp(self.clip_grad / (total + 1e-6), max=1.0) if self.clip_grad \
-            else None
-        return total.item(), coef
+        if not self.clip_grad:
+            return total.item(), None, None
+        coef = torch.clamp(self.clip_grad / (total + 1e-6), max=1.0)
+        norm, coef_value = torch.stack([total, coef]).tolist()
+        return norm, coef, coef_value
 
     def _hyper(self, p: _Param):
         group = self.param_groups[0]
@@ -220,10 +230,18 @@ class ZenFlowAdamW:
                     weight_decay=group["weight_decay"] if p.decay else 0.0,
                     amsgrad=False, maximize=False)
 
+    def _step_tensor(self, step: int, device: torch.device) -> torch.Tensor:
+        """The fused kernel's step count on ``device``: made once per step (torch.full is a
+        fill kernel on a GPU; torch.tensor would be a blocking host-to-device copy)."""
+        cached = self._step_tensors.get(device)
+        if cached is None or cached[0] != step:
+            cached = (step, torch.full((), float(step), dtype=torch.float32, device=device))
+            self._step_tensors[device] = cached
+        return cached[1]
+
     def _adamw(self, p: _Param, state: dict, grad: torch.Tensor, step: int, hyper=None):
         torch._fused_adamw_([state["master"]], [grad], [state["exp_avg"]],
-                            [state["exp_avg_sq"]], [],
-                            [torch.tensor(float(step), device=grad.device)],
+                            [state["exp_avg_sq"]], [], [self._step_tensor(step, grad.device)],
                             **(hyper or self._hyper(p)))
 
     def _host_state(self, p: _Param) -> dict:
@@ -233,11 +251,12 @@ class ZenFlowAdamW:
         """Warm-up: exact offloaded AdamW of every element (ZeRO-Offload)."""
         self.host_step = self.iteration
         start = time.perf_counter()
+        coef = None if coef is None else coef.cpu()
         for p, g in zip(self.params, grads):
             host = g.float().to("cpu", copy=True)
             self.traffic.d2h += host.numel() * 4
             if coef is not None:
-                host.mul_(coef.cpu())
+                host.mul_(coef)
             self._adamw(p, self._host_state(p), host, self.host_step)
             p.working.copy_(p.master)
             self.traffic.h2d += p.param.numel() * p.param.element_size()
@@ -282,28 +301,32 @@ class ZenFlowAdamW:
             p.working.index_copy_(1, p.idx, p.dev["master"].to(p.param.dtype))
 
     def _accumulate(self, grads, coef) -> None:
-        """The other columns' gradients leave the device now (asynchronously into pinned
-        memory on a GPU); the worker adds them to the window's sum, in order, after the
-        copies are done, so the device waits for neither."""
-        moved = []
-        for p, g in zip(self.params, grads):
-            if not p.partial:
-                continue
-            gu = g.float().index_select(1, p.rest)
-            host = gu
-            if self.pin:
-                host = torch.empty(gu.shape, dtype=gu.dtype, pin_memory=True)
-                host.copy_(gu, non_blocking=True)
-            moved.append((p.acc, host))
-            self.traffic.d2h += gu.numel() * 4
-        if not moved:
+        """The other columns' gradients leave the device now: gathered on the compute
+        stream, copied into pinned memory on a side stream; the worker adds them to the
+        window's sum, in order, once the copies are done, so the device waits for neither."""
+        gathered = [(p, g.float().index_select(1, p.rest))
+                    for p, g in zip(self.params, grads) if p.partial]
+        if not gathered:
             return
         done = None
         if self.pin:
-            done = torch.cuda.Event()
-            done.record()
-        scale = None if coef is None else coef.item()
-        self._worker.submit(self._add, moved, done, scale)
+            gathered_event = torch.cuda.Event()
+            gathered_event.record()
+            self._copy_stream.wait_event(gathered_event)
+        with torch.cuda.stream(self._copy_stream) if self.pin else contextlib.nullcontext():
+            moved = []
+            for p, gu in gathered:
+                host = gu
+                if self.pin:
+                    host = torch.empty(gu.shape, dtype=gu.dtype, pin_memory=True)
+                    host.copy_(gu, non_blocking=True)
+                    gu.record_stream(self._copy_stream)  # not reused before the copy ran
+                moved.append((p.acc, host))
+                self.traffic.d2h += gu.numel() * 4
+            if self.pin:
+                done = torch.cuda.Event(blocking=True)  # the worker waits without spinning
+                done.record()
+        self._worker.submit(self._add, moved, done, self._coef_value)
 
     @staticmethod
     def _add(moved, done, scale) -> None:

@@ -30,7 +30,8 @@ def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int
     store = InMemoryStore() if store is None else store
     config, num_mb, last = units.config, len(microbatches), units.num_units - 1
     no_sync = getattr(config, "no_sync_func", None) or nullcontext
-    losses, total_tokens = [], torch.zeros([], dtype=torch.int)
+    losses = []
+    total_tokens = torch.zeros([], dtype=torch.int, device=microbatches[0]["loss_mask"].device)
     with no_sync():
         for mb, batch in enumerate(microbatches):
             ctx = units.context(batch)

@@ -176,7 +176,7 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
     stage = parallel_state.get_pipeline_model_parallel_rank()
     rng_states: dict = {}
     losses: dict = {}
-    total_tokens = torch.zeros([], dtype=torch.int)
+    total_tokens = torch.zeros([], dtype=torch.int, device=microbatches[0]["loss_mask"].device)
 
     def forward(group, inputs):
         return forward_sweep(units, contexts, store, group, forward_only=forward_only,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from torch.profiler import record_function
 
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
@@ -52,10 +53,12 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
                 store.save_checkpoint(0, mb, inputs[mb])
     outputs = {}
     for unit in range(stop):
-        store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None, for_backward=False)
+        with record_function(f"snake/acquire u{unit}"):  # named ranges for traces (gpu_trace)
+            store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None,
+                               for_backward=False)
         for i in snake_order(unit, len(group)):
             mb = group[i]
-            with compute_event(store, "F", unit, mb):
+            with compute_event(store, "F", unit, mb), record_function(f"snake/F u{unit} mb{mb}"):
                 if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
                     store.save_checkpoint(0, mb, inputs[mb])
                 hidden = None if units.owns_embedding(unit) else store.load_checkpoint(unit, mb)
@@ -90,14 +93,17 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
     """
     last = units.num_units - 1
     losses = {}
-    total_tokens = torch.zeros([], dtype=torch.int)
+    # on the loss mask's device: the token counts added to it are computed there
+    total_tokens = torch.zeros([], dtype=torch.int,
+                               device=contexts[group[0]].batch["loss_mask"].device)
     grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
     begin_group(store, group)
     for unit in range(last, -1, -1):
-        store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
+        with record_function(f"snake/acquire u{unit}"):
+            store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
         for i in snake_order(unit, len(group)):
             mb = group[i]
-            with compute_event(store, "B", unit, mb):
+            with compute_event(store, "B", unit, mb), record_function(f"snake/B u{unit} mb{mb}"):
                 ctx = contexts[mb]
                 hidden = None
                 if not units.owns_embedding(unit):
@@ -119,5 +125,6 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                 if hidden is not None:
                     grad_of_output[mb] = hidden.grad
                     store.drop_checkpoint(unit, mb)
-        store.release_unit(unit, gradients_final=gradients_final)
+        with record_function(f"snake/release u{unit}"):
+            store.release_unit(unit, gradients_final=gradients_final)
     return losses, total_tokens, grad_of_output

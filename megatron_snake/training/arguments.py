@@ -18,6 +18,7 @@ OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier":
                          "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None}
 SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
+IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
 # DeepSpeed's ZenFlow defaults for topk_ratio; fixed intervals where DeepSpeed says "auto".
 ZENFLOW_DEFAULTS = dict(topk_ratio=0.1, select_interval=100, update_interval=4,
                         full_warmup_steps=0, overlap_step=False)
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(pinned: not re-read each sweep). Default: no check, nothing pinned")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
+    g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
+                   help="how offloaded bytes reach the drive: auto (native io_uring, else "
+                        "the native thread pool, else Python), uring, threads (the native "
+                        "pthread pool), python (threads + preadv/pwritev), or gds "
+                        "(GPUDirect Storage through kvikio for GPU tensors; falls back to "
+                        "auto, saying why, where cuFile is not in use)")
 
     g = p.add_argument_group("ZenFlow (approximate: important columns at once, the rest late)")
     g.add_argument("--snake-zenflow", action="store_true",
@@ -325,6 +332,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
                   "--snake-offload or drop the flag")
         if args.snake_offload and getattr(args, attr) is None:
             setattr(args, attr, default)
+    _validate_io_engine(args, parser)
     if args.snake_offload and not 0.0 <= args.snake_alpha <= 0.5:
         _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
     _validate_pipeline(args, parser)
@@ -375,6 +383,21 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
     return args
+
+
+def _validate_io_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--snake-io-engine needs a store to drive, and the native engines need their build."""
+    if args.snake_io_engine == "auto":
+        return
+    if not (args.snake_offload or args.snake_activation_offload):
+        _fail(parser, "--snake-io-engine", "configures the offload store; add --snake-offload "
+              "or --snake-activation-offload, or drop the flag")
+    from megatron_snake.offload.engine import native_available
+
+    if args.snake_io_engine in ("uring", "threads") and not native_available():
+        _fail(parser, "--snake-io-engine", f"{args.snake_io_engine} is a native engine and "
+              "megatron_snake._snake_aio is not built here; install liburing-dev and a C "
+              "compiler and reinstall (bash tools/install.sh), or use python")
 
 
 def _validate_zenflow(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ Megatron-LM's ``pretrain`` reduced to the parts a GPT pretraining run needs. Wit
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -117,6 +118,10 @@ class Run:
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Train as the flags say. Returns the lm loss of every iteration run here."""
     was_deterministic = torch.are_deterministic_algorithms_enabled()
+    if args.deterministic_mode:
+        # cuBLAS is deterministic only with a fixed workspace; torch refuses its matmuls
+        # under deterministic algorithms without it (the setting Megatron-LM documents)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(args.deterministic_mode or was_deterministic)
     try:
         return _pretrain(args)
@@ -232,6 +237,7 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
     args, model, optimizer = run.args, run.model, run.optimizer
     model.train()
     history = []
+    run.log.start_interval()
     while iteration < args.train_iters:
         mbs = _next_microbatches(train_iter, args.num_microbatches, run.device)
         if hasattr(model, "zero_grad_buffer"):

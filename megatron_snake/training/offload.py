@@ -59,7 +59,7 @@ def open_store(args, device: torch.device, rank: int):
         root = made or offload_dir_for_rank(args.snake_offload_dir, rank)
         store, error = None, None
         try:
-            store = TensorStore(root, rank=rank, device=device,
+            store = TensorStore(root, rank=rank, device=device, engine=args.snake_io_engine,
                                 host_memory_limit=args.snake_host_memory_limit)
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
@@ -89,20 +89,21 @@ def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> s
     if store is None:
         return ""
     c = store.counters
-    parts = [f"{tier} r/w {c.read[tier] / 2**20:.1f}/{c.written[tier] / 2**20:.1f} MiB"
+    parts = [f"{tier} r/w (cumulative) {c.read[tier] / 2**20:.1f}/"
+             f"{c.written[tier] / 2**20:.1f} MiB"
              for tier in ("nvme", "host") if c.read[tier] or c.written[tier]]
     for kind, label in (("activations", "checkpoints"), ("saved_activations", "saved tensors")):
         moved = c.by_kind.get(kind)
         if moved:
-            parts.append(f"{label} " + ", ".join(
+            parts.append(f"{label} (cumulative) " + ", ".join(
                 f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{moved[tier][1] / 2**20:.1f} MiB"
                 for tier in ("nvme", "host") if any(moved[tier])))
     for label, peak in (activation_peak or {}).items():
         held = [f"{tier} {n / 2**20:.1f} MiB" for tier, n in peak.items() if n]
         if held:
-            parts.append(f"{label} peak " + ", ".join(held))
-    parts.append(f"prefetch wait {c.prefetch_wait_s:.2f} s")
-    parts.append(f"other io wait {c.blocked_s - c.prefetch_wait_s:.2f} s")
+            parts.append(f"{label} peak (last step) " + ", ".join(held))
+    parts.append(f"prefetch wait (cumulative) {c.prefetch_wait_s:.2f} s")
+    parts.append(f"other io wait (cumulative) {c.blocked_s - c.prefetch_wait_s:.2f} s")
     return " | ".join(parts)
 
 

@@ -1,4 +1,9 @@
-"""Megatron-style per-iteration log lines: loss, throughput, model TFLOP/s, memory."""
+"""Megatron-style per-iteration log lines: loss, throughput, model TFLOP/s, memory.
+
+Every figure is over the log interval (the iterations since the previous line) unless its
+label says "cumulative": memory peaks are reset after each line, so a line shows its own
+interval's peak, not the start-up one.
+"""
 
 from __future__ import annotations
 
@@ -29,11 +34,41 @@ def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> floa
     return 3 * 2 * per_token * s * args.global_batch_size
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak. False where the OS cannot reset it (the peak is then cumulative)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:  # "5" resets the peak resident set size (Documentation/filesystems/proc.rst)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], int]:
+    """This interval's memory figures for the log line, and the allocator's retry count now
+    (the next interval's baseline)."""
+    if device.type != "cuda":
+        return [f"peak RSS (interval): {_gib(_peak_rss_bytes())}"], 0
+    stats = torch.cuda.memory_stats(device)
+    retries = stats.get("num_alloc_retries", 0)
+    return [f"mem allocated (now): {_gib(stats.get('allocated_bytes.all.current', 0))}",
+            f"max allocated (interval): {_gib(stats.get('allocated_bytes.all.peak', 0))}",
+            f"max reserved (interval): {_gib(stats.get('reserved_bytes.all.peak', 0))}",
+            f"alloc retries (interval): {retries - retries_before}"], retries
 
 
 def _gib(n: float) -> str:
@@ -48,9 +83,18 @@ class TrainLog:
         self.args, self.device, self.rank, self.stream = args, device, rank, stream
         self.flops = model_flops_per_iteration(args, vocab_size)
         self.tokens_per_iter = args.global_batch_size * args.seq_length
-        self._reset()
+        # every rank computes a share of the global batch's FLOPs
+        self.world_size = args.tensor_model_parallel_size * \
+            args.pipeline_model_parallel_size * getattr(args, "data_parallel_size", 1)
+        self._retries = 0
+        self.start_interval()
 
-    def _reset(self):
+    def start_interval(self):
+        """A new log interval starts now (the train loop calls it before its first step, so
+        start-up time and memory count in no interval)."""
+        self._peak_resets = reset_peak_memory(self.device)
+        if self.device.type == "cuda":
+            self._retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         self._start = time.perf_counter()
         self._iters = 0
         self._loss_sum = 0.0
@@ -80,9 +124,10 @@ class TrainLog:
             f"iteration {iteration:8d}/{self.args.train_iters:8d}",
             f"consumed samples: {consumed_samples:12d}",
             f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
-            f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}" if self.device.type == "cuda"
-            else f"model TFLOP/s: {tflops:.4f}",
-            f"tokens/s: {self.tokens_per_iter / per_iter:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops / self.world_size:.3f}"
+            if self.device.type == "cuda" else
+            f"model TFLOP/s (all ranks): {tflops:.4f}",
+            f"tokens/s (all ranks): {self.tokens_per_iter / per_iter:.1f}",
             f"learning rate: {lr:.6E}",
             f"global batch size: {self.args.global_batch_size:5d}",
             f"lm loss: {loss:.6E}",
@@ -91,14 +136,16 @@ class TrainLog:
             parts.append(f"loss scale: {loss_scale:.1f}")
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")
+        memory, self._retries = memory_fields(self.device, self._retries)
+        if not self._peak_resets:
+            memory = [m.replace("(interval)", "(cumulative)") for m in memory]
         parts += [f"number of skipped iterations: {self._skipped:3d}",
-                  f"number of nan iterations: {self._nan:3d}",
-                  f"peak memory: {_gib(peak_memory_bytes(self.device))}"]
+                  f"number of nan iterations: {self._nan:3d}", *memory]
         if extra:
             parts.append(extra)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.print(f" [{stamp}] " + " | ".join(parts) + " |")
-        self._reset()
+        self.start_interval()
 
     def validation(self, iteration: int, lm_loss: float):
         ppl = math.exp(min(20.0, lm_loss))
