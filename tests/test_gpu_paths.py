@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import expect_flag_error, tiny_args
-from megatron_snake.offload import gds
+from megatron_snake.storage import gds
 from megatron_snake.offload.lifetimes import LifetimeRecorder
 
 
@@ -44,7 +44,7 @@ def test_gds_follows_what_kvikio_will_use(monkeypatch, caplog, mode, prefers_com
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.storage"):
         backend = gds.GdsBackend.create()
     assert (backend is not None) == uses_gds
     if not uses_gds:

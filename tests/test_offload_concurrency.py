@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from megatron_snake.offload import HostMemoryError, TensorStore
-from megatron_snake.offload.engine import native_available
+from megatron_snake.storage import HostMemoryError, TensorStore
+from megatron_snake.storage.engine import native_available
 
 BUF = 64 << 10
 ENGINES = ["python"] + (["uring", "threads"] if native_available() else [])

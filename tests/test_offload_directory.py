@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from megatron_snake.offload import CapacityError, OffloadDirError, TensorStore
+from megatron_snake.storage import CapacityError, OffloadDirError, TensorStore
 
 BUF = 64 << 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +124,7 @@ def test_capacity_real_small_tmpfs(tmp_path):
 HOLDER = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {repo!r})
-    from megatron_snake.offload import TensorStore
+    from megatron_snake.storage import TensorStore
     s = TensorStore({path!r}, rank=0, host_memory_limit=16 * {buf}, buffer_bytes={buf})
     s.put("first", torch.ones(1000), tier="nvme").wait()
     print("ready", flush=True)
@@ -169,7 +169,7 @@ def test_sigkill_mid_write_then_new_run(tmp_path, caplog):
     p.wait(timeout=30)
     rank_dir = tmp_path / "rank0"
     assert (rank_dir / "misc.swap").exists() and (rank_dir / "LOCK").exists()
-    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.storage"):
         s = small_store(tmp_path)
     with s:
         stale = [os.path.basename(path) for path, _, _ in s.dir.stale]
@@ -188,7 +188,7 @@ def test_sigkill_mid_write_then_new_run(tmp_path, caplog):
 def test_no_o_direct_falls_back_to_buffered_with_a_log_line(tmp_path, monkeypatch, caplog):
     """tmpfs before Linux 6.6 (and some network file systems) reject O_DIRECT with EINVAL;
     simulated here because this kernel's tmpfs accepts it."""
-    from megatron_snake.offload import swap_file
+    from megatron_snake.storage import swap_file
 
     real_open = os.open
 
@@ -198,7 +198,7 @@ def test_no_o_direct_falls_back_to_buffered_with_a_log_line(tmp_path, monkeypatc
         return real_open(path, flags, mode)
 
     monkeypatch.setattr(swap_file.os, "open", no_direct)
-    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.storage"):
         with small_store(tmp_path) as s:
             t = torch.randn(50000)
             s.put("a", t, tier="nvme").wait()

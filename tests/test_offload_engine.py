@@ -11,10 +11,10 @@ import zlib
 
 import pytest
 
-from megatron_snake.offload import engine as engine_mod
-from megatron_snake.offload.engine import make_engine, native_available
-from megatron_snake.offload.errors import OffloadIOError
-from megatron_snake.offload.swap_file import Checksum, open_direct
+from megatron_snake.storage import engine as engine_mod
+from megatron_snake.storage.engine import make_engine, native_available
+from megatron_snake.storage.errors import OffloadIOError
+from megatron_snake.storage.swap_file import Checksum, open_direct
 
 KINDS = ["python"] + (["uring", "threads"] if native_available() else [])
 
@@ -72,7 +72,7 @@ def test_errors_name_path_offset_length_errno(kind, tmp_path):
 def test_python_fallback_is_automatic_and_logged(monkeypatch, caplog):
     monkeypatch.setattr(engine_mod, "_native", None)
     monkeypatch.setattr(engine_mod, "_NATIVE_IMPORT_ERROR", ImportError("not built"))
-    with caplog.at_level(logging.INFO, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.INFO, logger="megatron_snake.storage"):
         eng = make_engine("auto")
     assert eng.name == "python"
     assert "pure-Python fallback" in caplog.text
@@ -83,7 +83,7 @@ def test_python_fallback_is_automatic_and_logged(monkeypatch, caplog):
 
 @pytest.mark.skipif(not native_available(), reason="native engine not built")
 def test_native_engine_is_picked_and_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.INFO, logger="megatron_snake.storage"):
         eng = make_engine("auto")
     assert eng.name.startswith("native-") and "native" in caplog.text
     eng.close()
@@ -101,11 +101,11 @@ def test_checksums_are_the_standard_ones():
 def test_gds_without_gpu_falls_back_with_a_log_line(tmp_path, caplog):
     import torch
 
-    from megatron_snake.offload import TensorStore
+    from megatron_snake.storage import TensorStore
 
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU fallback")
-    with caplog.at_level(logging.INFO, logger="megatron_snake.offload"):
+    with caplog.at_level(logging.INFO, logger="megatron_snake.storage"):
         with TensorStore(tmp_path, host_memory_limit=16 << 20, buffer_bytes=1 << 20,
                          engine="gds") as s:
             assert s.gds is None

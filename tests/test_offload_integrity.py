@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from megatron_snake.offload import IntegrityError, TensorStore
-from megatron_snake.offload.engine import native_available
-from megatron_snake.offload.swap_file import FILE_MAGIC, FORMAT_VERSION, read_file_header
+from megatron_snake.storage import IntegrityError, TensorStore
+from megatron_snake.storage.engine import native_available
+from megatron_snake.storage.swap_file import FILE_MAGIC, FORMAT_VERSION, read_file_header
 
 BUF = 64 << 10
 ENGINES = ["python"] + (["uring"] if native_available() else [])

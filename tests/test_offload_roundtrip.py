@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from megatron_snake.offload import TensorStore
-from megatron_snake.offload.engine import native_available
+from megatron_snake.storage import TensorStore
+from megatron_snake.storage.engine import native_available
 
 ENGINES = ["python"] + (["uring", "threads"] if native_available() else [])
 BUF = 64 << 10  # small host buffers: a 200 KiB tensor spans several records

@@ -37,7 +37,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
     from megatron_snake import vertical_forward_backward
     from megatron_snake.models.gpt_units import GPTUnits
     from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
     from megatron_snake.offload.unit_weights import OffloadedUnits
     from megatron_snake.optim.dp_shards import DataParallel
     from megatron_snake.optim.offloaded_adamw import OffloadedAdamW

@@ -19,7 +19,7 @@ from conftest import (build_model, make_microbatches, megatron_forward_backward,
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams

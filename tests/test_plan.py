@@ -261,7 +261,7 @@ def test_recorder_builds_timeline_and_lifetimes_over_iterations():
 
 
 def test_bandwidth_probe_on_a_tiny_store(tmp_path):
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
 
     with TensorStore(tmp_path, host_memory_limit=8 << 20, buffer_bytes=1 << 20) as store:
         bw = measure_tier_bandwidth(store, nbytes=256 << 10)

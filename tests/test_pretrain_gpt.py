@@ -202,8 +202,8 @@ def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, m
 def test_offload_limits_fail_before_the_first_step(megatron_world, tmp_path, monkeypatch):
     """A device limit below one unit's working set, and a drive too small for the plan:
     one clear error each, naming the flag and the minimum, before any step runs."""
-    from megatron_snake.offload import directory
-    from megatron_snake.offload.errors import CapacityError
+    from megatron_snake.storage import directory
+    from megatron_snake.storage.errors import CapacityError
 
     flags = [*SMALL, "--train-iters", "3", "--snake-offload", "--snake-offload-dir",
              str(tmp_path)]

@@ -13,7 +13,7 @@ from conftest import build_model, gradients, make_microbatches, tiny_args, zero_
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.saved_tensors import (SavedTensorOffloader,
                                                   megatron_activation_offload_forward_backward)
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.distributed import set_seed
 from megatron_snake.training.schedules import megatron_forward_backward
 

@@ -11,7 +11,7 @@ import torch
 from conftest import build_model, make_microbatches, tiny_args
 from megatron_snake import vertical_forward_backward
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.distributed import set_seed
 
 

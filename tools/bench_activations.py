@@ -65,7 +65,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from megatron_snake.offload.saved_tensors import (  # noqa: E402
     SavedTensorOffloader, megatron_activation_offload_forward_backward)
-from megatron_snake.offload.store import TensorStore  # noqa: E402
+from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402

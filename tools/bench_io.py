@@ -22,7 +22,6 @@ import json
 import mmap
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -34,19 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_snake.offload.engine import crc32c_native, native_available  # noqa: E402
-from megatron_snake.offload.store import TensorStore  # noqa: E402
-
-UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def parse_size(text):
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4GiB, 512MiB, 1M)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
-
+from megatron_snake.storage.engine import crc32c_native, native_available  # noqa: E402
+from megatron_snake.storage.sizes import parse_size  # noqa: E402
+from megatron_snake.storage.store import TensorStore  # noqa: E402
 
 def median(xs):
     xs = sorted(xs)

@@ -93,7 +93,7 @@ def _stage_main(rank, world, port, a, out_dir):
     import torch.distributed as dist
 
     from megatron_snake.models.gpt_units import GPTUnits
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
     from megatron_snake.schedule.unit_store import CombinedStore
     from megatron_snake.schedule.vertical import vertical_forward_backward
     from megatron_snake.training import distributed

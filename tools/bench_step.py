@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints  # noqa: E402
-from megatron_snake.offload.store import TensorStore  # noqa: E402
+from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
 from megatron_snake.optim.unit_params import UnitParams  # noqa: E402

@@ -46,7 +46,7 @@ setup() {
     [ -x .gpu/bin/fio ] && export PATH=$PWD/.gpu/bin:$PATH
     {
         date -u; nvidia-smi 2>&1; uname -a; nproc; free -g; df -hT "$SCRATCH"
-        "$PY" -c "import torch, megatron.core, megatron_snake.offload.engine as e; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('megatron-core', megatron.core.__version__); print('native engine', e.native_available())"
+        "$PY" -c "import torch, megatron.core, megatron_snake.storage.engine as e; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('megatron-core', megatron.core.__version__); print('native engine', e.native_available())"
         command -v fio && fio --version
     } > "$OUTDIR/env.txt" 2>&1
     printf "step\trc\tseconds\n" >> "$OUTDIR/steps.tsv"

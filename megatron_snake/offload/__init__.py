@@ -1,25 +1,4 @@
-"""Storage tiers: GPU <-> pinned host pool <-> NVMe swap files, through one tensor store.
-
-    from megatron_snake.offload import TensorStore
-    with TensorStore("/nvme/snake", rank=0, host_memory_limit=8 << 30) as store:
-        store.put("x", t, tier="nvme").wait()
-        t2 = store.get("x").wait()
-
-Modules: engine (native csrc engine + Python fallback), host_pool, swap_file (on-disk
-format), directory (rank dir, lock, stale files, capacity), store (TensorStore), gds.
-"""
-
-from megatron_snake.offload.errors import (CapacityError, HostMemoryError, IntegrityError,
-                                           OffloadDirError, OffloadError, OffloadIOError)
-
-
-def __getattr__(name):  # torch is heavy: import the store lazily
-    if name in ("TensorStore", "Handle", "Counters"):
-        from megatron_snake.offload import store
-
-        return getattr(store, name)
-    raise AttributeError(name)
-
-
-__all__ = ["TensorStore", "Handle", "Counters", "OffloadError", "OffloadDirError",
-           "CapacityError", "HostMemoryError", "IntegrityError", "OffloadIOError"]
+"""What places training state in the tensor store (megatron_snake.storage): unit weights and
+their gradients (unit_weights), unit inputs kept between the sweeps (checkpoint_store, and
+activation_plan, which places them by a lifetime-aware plan), and the tensors autograd saves
+inside a unit (saved_tensors)."""

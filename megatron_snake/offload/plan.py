@@ -33,14 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_snake.offload.lifetimes import TensorLifetime, Timeline, validate
+from megatron_snake.storage.sizes import TIERS, gib
 
-TIERS = ("gpu", "host", "nvme")
 OFF_TIERS = ("nvme", "host")          # slowest first: NVMe is plentiful, host memory is not
 INF = float("inf")
-
-
-def _gb(n):
-    return f"{n / 2**30:.3f} GiB"
 
 
 def _seconds(nbytes, rate):
@@ -123,11 +119,11 @@ class Plan:
             count[p.tier][1] += p.nbytes
         total = sum(c[1] for c in count.values())
         lines = [f"placement plan {self.fingerprint}: {len(self.placements)} tensors, "
-                 f"{_gb(total)}: "
-                 + ", ".join(f"{t} {c[0]} ({_gb(c[1])})" for t, c in count.items()),
-                 f"  peak gpu {_gb(self.peak_bytes['gpu'])} of {_gb(self.gpu_budget_bytes)}"
-                 f" | host {_gb(self.peak_bytes['host'])} of {_gb(self.host_budget_bytes)}"
-                 f" | nvme {_gb(self.peak_bytes['nvme'])} | predicted stall {self.stall_s:.3f} s"]
+                 f"{gib(total, 3)}: "
+                 + ", ".join(f"{t} {c[0]} ({gib(c[1], 3)})" for t, c in count.items()),
+                 f"  peak gpu {gib(self.peak_bytes['gpu'], 3)} of {gib(self.gpu_budget_bytes, 3)}"
+                 f" | host {gib(self.peak_bytes['host'], 3)} of {gib(self.host_budget_bytes, 3)}"
+                 f" | nvme {gib(self.peak_bytes['nvme'], 3)} | predicted stall {self.stall_s:.3f} s"]
         for i, (k, p) in enumerate(self.placements.items()):
             if i == max_lines:
                 lines.append(f"  ... {len(self.placements) - max_lines} more")
@@ -315,8 +311,8 @@ class _Planner:
             at = [lt for lt in self.lts if e in lt.accesses]
             big = max(at, key=lambda lt: lt.nbytes, default=None)
             raise ValueError(
-                f"--snake-gpu-memory-limit {self.gpu_budget} bytes ({_gb(self.gpu_budget)}) is "
-                f"below the minimum {int(need[e])} bytes ({_gb(need[e])}) that must be on the GPU "
+                f"--snake-gpu-memory-limit {self.gpu_budget} bytes ({gib(self.gpu_budget, 3)}) is "
+                f"below the minimum {int(need[e])} bytes ({gib(need[e], 3)}) that must be on the GPU "
                 f"at once: event {e} ({self.timeline.events[e].name!r}) needs its working set "
                 f"{int(self.working[e])} bytes and {len(at)} tensors"
                 + (f", the largest {big.key!r} of {big.nbytes} bytes" if big else ""))
@@ -328,9 +324,9 @@ class _Planner:
                 break
             if not any(self._try(j, i, e, gpu, host) for j, i in self._candidates(e)):
                 raise ValueError(
-                    f"--snake-gpu-memory-limit {self.gpu_budget} bytes ({_gb(self.gpu_budget)}) "
+                    f"--snake-gpu-memory-limit {self.gpu_budget} bytes ({gib(self.gpu_budget, 3)}) "
                     f"cannot be met with these bandwidths: the best plan found needs {int(gpu[e])} "
-                    f"bytes ({_gb(gpu[e])}) at event {e} ({self.timeline.events[e].name!r}); the "
+                    f"bytes ({gib(gpu[e], 3)}) at event {e} ({self.timeline.events[e].name!r}); the "
                     f"minimum with unlimited bandwidth is {int(need.max())} bytes. Raise the "
                     "limit, the host memory limit (--snake-host-memory-limit) or use a faster "
                     "drive")

@@ -303,14 +303,14 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.snake_schedule not in SNAKE_SCHEDULES:
         _fail(parser, "--snake-schedule", f"unknown value {args.snake_schedule!r}; "
               f"choose one of {', '.join(SNAKE_SCHEDULES)}")
-    from megatron_snake.training.offload import parse_size
+    from megatron_snake.storage.sizes import parse_size
 
     for flag in ("--snake-host-memory-limit", "--snake-gpu-memory-limit"):
         attr = flag[2:].replace("-", "_")
         if getattr(args, attr) is not None:
             try:
                 setattr(args, attr, parse_size(getattr(args, attr)))
-            except argparse.ArgumentTypeError as exc:
+            except ValueError as exc:
                 _fail(parser, flag, str(exc))
     if args.snake_activation_offload and not args.snake_offload and \
             args.snake_activation_tier == "device":
@@ -392,7 +392,7 @@ def _validate_io_engine(args: argparse.Namespace, parser: argparse.ArgumentParse
     if not (args.snake_offload or args.snake_activation_offload):
         _fail(parser, "--snake-io-engine", "configures the offload store; add --snake-offload "
               "or --snake-activation-offload, or drop the flag")
-    from megatron_snake.offload.engine import native_available
+    from megatron_snake.storage.engine import native_available
 
     if args.snake_io_engine in ("uring", "threads") and not native_available():
         _fail(parser, "--snake-io-engine", f"{args.snake_io_engine} is a native engine and "

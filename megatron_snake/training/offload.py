@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -14,25 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.sizes import mib
+from megatron_snake.storage.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '1.5GB' or a plain byte count."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
-
 
 def checkpoint_bytes_per_step(args) -> int:
     """Unit checkpoints alive between the sweeps on this pipeline stage: (units of the
@@ -90,16 +76,16 @@ def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> s
         return ""
     c = store.counters
     parts = [f"{tier} r/w (cumulative) {c.read[tier] / 2**20:.1f}/"
-             f"{c.written[tier] / 2**20:.1f} MiB"
+             f"{mib(c.written[tier])}"
              for tier in ("nvme", "host") if c.read[tier] or c.written[tier]]
     for kind, label in (("activations", "checkpoints"), ("saved_activations", "saved tensors")):
         moved = c.by_kind.get(kind)
         if moved:
             parts.append(f"{label} (cumulative) " + ", ".join(
-                f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{moved[tier][1] / 2**20:.1f} MiB"
+                f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{mib(moved[tier][1])}"
                 for tier in ("nvme", "host") if any(moved[tier])))
     for label, peak in (activation_peak or {}).items():
-        held = [f"{tier} {n / 2**20:.1f} MiB" for tier, n in peak.items() if n]
+        held = [f"{tier} {mib(n)}" for tier, n in peak.items() if n]
         if held:
             parts.append(f"{label} peak (last step) " + ", ".join(held))
     parts.append(f"prefetch wait (cumulative) {c.prefetch_wait_s:.2f} s")
@@ -143,14 +129,14 @@ class OffloadedState:
         units = sorted(self.weights.pinned)
         need, free = self.capacity
         return ("> offloaded state per tier: "
-                + ", ".join(f"{t} {n / 2**20:.1f} MiB" for t, n in per_tier.items())
-                + f" (weights {weights / 2**20:.1f} MiB on {args.snake_param_tier}, "
+                + ", ".join(f"{t} {mib(n)}" for t, n in per_tier.items())
+                + f" (weights {mib(weights)} on {args.snake_param_tier}, "
                 f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
-                f"weights + moments + gradients {(optim + grads) / 2**20:.1f} MiB on "
-                f"{args.snake_optimizer_tier}; unit checkpoints {ckpt / 2**20:.1f} MiB on "
-                f"{args.snake_activation_tier}); per step about {read / 2**20:.1f} MiB read and "
-                f"{written / 2**20:.1f} MiB written off the device; free space checked: "
-                f"{need / 2**20:.1f} MiB needed with margin, {free / 2**20:.1f} MiB free on the "
+                f"weights + moments + gradients {mib((optim + grads))} on "
+                f"{args.snake_optimizer_tier}; unit checkpoints {mib(ckpt)} on "
+                f"{args.snake_activation_tier}); per step about {mib(read)} read and "
+                f"{mib(written)} written off the device; free space checked: "
+                f"{mib(need)} needed with margin, {mib(free)} free on the "
                 "offload drive")
 
 
@@ -256,8 +242,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
         need, unit = unit_working_set_bytes(args, params)
         if args.snake_gpu_memory_limit < need:
             raise ValueError(
-                f"--snake-gpu-memory-limit {args.snake_gpu_memory_limit / 2**20:.1f} MiB is below "
-                f"the working set of unit {unit} ({need / 2**20:.1f} MiB: its weights and fp32 "
+                f"--snake-gpu-memory-limit {mib(args.snake_gpu_memory_limit)} is below "
+                f"the working set of unit {unit} ({mib(need)}: its weights and fp32 "
                 "gradient, the tied weights, one micro-batch's checkpoints); the minimum is "
                 f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval.")
     dp_size = DataParallel.from_megatron().size

@@ -16,6 +16,8 @@ from datetime import datetime
 
 import torch
 
+from megatron_snake.storage.sizes import gib
+
 
 def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward, no recompute), the way Megatron-LM
@@ -62,17 +64,13 @@ def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str],
     """This interval's memory figures for the log line, and the allocator's retry count now
     (the next interval's baseline)."""
     if device.type != "cuda":
-        return [f"peak RSS (interval): {_gib(_peak_rss_bytes())}"], 0
+        return [f"peak RSS (interval): {gib(_peak_rss_bytes())}"], 0
     stats = torch.cuda.memory_stats(device)
     retries = stats.get("num_alloc_retries", 0)
-    return [f"mem allocated (now): {_gib(stats.get('allocated_bytes.all.current', 0))}",
-            f"max allocated (interval): {_gib(stats.get('allocated_bytes.all.peak', 0))}",
-            f"max reserved (interval): {_gib(stats.get('reserved_bytes.all.peak', 0))}",
+    return [f"mem allocated (now): {gib(stats.get('allocated_bytes.all.current', 0))}",
+            f"max allocated (interval): {gib(stats.get('allocated_bytes.all.peak', 0))}",
+            f"max reserved (interval): {gib(stats.get('reserved_bytes.all.peak', 0))}",
             f"alloc retries (interval): {retries - retries_before}"], retries
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 class TrainLog:

@@ -13,7 +13,7 @@ import torch
 from gpu_helpers import DEVICE, requires_device, sync
 
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.store import TensorStore
 
 pytestmark = requires_device
 

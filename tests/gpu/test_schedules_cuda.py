@@ -100,7 +100,7 @@ def _megatron_then(model, mbs, run):
 def test_fp32_matches_megatron(gpu_world, tmp_path, schedule, variant, checkpoint_interval,
                                num_microbatches, store_kind):
     from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
     from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 
     assert not torch.backends.cuda.matmul.allow_tf32, "gpu_world turns TF32 off"
@@ -240,7 +240,7 @@ def test_dropout_vertical_recompute_replays_cuda_masks(gpu_world, tmp_path, stor
     from test_vertical_dropout import _kept_activation_reference
 
     from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
     from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 
     model = build_model(tiny_args(*DROPOUT), gpu_world)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gpu_helpers import DEVICE, requires_cuda, requires_device, sync
 
-from megatron_snake.offload.store import TensorStore
+from megatron_snake.storage.store import TensorStore
 
 pytestmark = requires_device
 
@@ -293,7 +293,7 @@ _DEFAULT_DEVICE = textwrap.dedent("""
     src = torch.randn(300, 200, generator=torch.Generator().manual_seed(7)).to(dev)
     out = torch.empty_like(src)
     from megatron_snake.compat import megatron_on_cpu
-    from megatron_snake.offload.store import TensorStore
+    from megatron_snake.storage.store import TensorStore
     assert megatron_on_cpu.apply("cpu")
     with tempfile.TemporaryDirectory() as d, \\
             TensorStore(d, rank=0, host_memory_limit=64 << 20) as store:

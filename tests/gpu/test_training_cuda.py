@@ -31,7 +31,7 @@ from gpu_helpers import (DEVICE, gpu_world, on_device, rel_err, requires_device,
 from megatron_snake import vertical_forward_backward  # noqa: E402
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints  # noqa: E402
-from megatron_snake.offload.store import TensorStore  # noqa: E402
+from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
 from megatron_snake.optim.unit_params import UnitParams  # noqa: E402

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("megatron_snake.offload")
+log = logging.getLogger("megatron_snake.storage")
 
 HEADER_BLOCK = 4096
 _MOD = (1 << 61) - 1

@@ -23,10 +23,10 @@ import threading
 import time
 import zlib
 
-from megatron_snake.offload.engine import crc32c_native
-from megatron_snake.offload.errors import CapacityError, IntegrityError, OffloadIOError
+from megatron_snake.storage.engine import crc32c_native
+from megatron_snake.storage.errors import CapacityError, IntegrityError, OffloadIOError
 
-log = logging.getLogger("megatron_snake.offload")
+log = logging.getLogger("megatron_snake.storage")
 
 FORMAT_VERSION = 1
 FILE_MAGIC = b"SNAKESWP"

@@ -15,9 +15,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_snake.offload.errors import OffloadIOError
+from megatron_snake.storage.errors import OffloadIOError
 
-log = logging.getLogger("megatron_snake.offload")
+log = logging.getLogger("megatron_snake.storage")
 
 READ, WRITE = 0, 1
 _OP_NAME = {READ: "read", WRITE: "write"}

@@ -36,17 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_snake.offload.directory import RankDir
-from megatron_snake.offload.engine import make_engine
-from megatron_snake.offload.errors import IntegrityError, OffloadIOError
-from megatron_snake.offload.host_pool import HostBufferPool
-from megatron_snake.offload.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
+from megatron_snake.storage.directory import RankDir
+from megatron_snake.storage.engine import make_engine
+from megatron_snake.storage.errors import IntegrityError, OffloadIOError
+from megatron_snake.storage.host_pool import HostBufferPool
+from megatron_snake.storage.sizes import TIERS, gb
+from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
                                               check_record_header, key_hash, verify_record,
                                               write_record_header)
 
-log = logging.getLogger("megatron_snake.offload")
-
-TIERS = ("gpu", "host", "nvme")
+log = logging.getLogger("megatron_snake.storage")
 
 
 class Handle:
@@ -135,10 +134,6 @@ class Counters:
         with self._lock:
             self.queue_depth += delta
             self.max_queue_depth = max(self.max_queue_depth, self.queue_depth)
-
-
-def _gb(n):
-    return f"{n / 1e9:.2f} GB"
 
 
 @dataclass
@@ -245,7 +240,7 @@ class TensorStore:
         try:
             self.gds = None
             if engine == "gds":
-                from megatron_snake.offload.gds import GdsBackend
+                from megatron_snake.storage.gds import GdsBackend
                 self.gds = GdsBackend.create()   # None (and a log line) when GDS is unavailable
                 engine = "auto"
             self.engine = make_engine(engine, queue_depth, io_threads, chunk_bytes)
@@ -385,9 +380,9 @@ class TensorStore:
 
     def summary(self):
         c = self.counters
-        return (f"io: nvme r {_gb(c.read['nvme'])} w {_gb(c.written['nvme'])} | "
-                f"host r {_gb(c.read['host'])} w {_gb(c.written['host'])} | "
-                f"gpu r {_gb(c.read['gpu'])} w {_gb(c.written['gpu'])} | req {c.requests} | "
+        return (f"io: nvme r {gb(c.read['nvme'])} w {gb(c.written['nvme'])} | "
+                f"host r {gb(c.read['host'])} w {gb(c.written['host'])} | "
+                f"gpu r {gb(c.read['gpu'])} w {gb(c.written['gpu'])} | req {c.requests} | "
                 f"blocked {c.blocked_s:.2f} s (pool waits {self.pool.wait_seconds:.2f} s) | "
                 f"qd {c.queue_depth} max {c.max_queue_depth} | host pool "
                 f"{self.pool.in_use}/{self.pool.count} x {self.pool.buffer_bytes >> 20} MiB | "
@@ -626,7 +621,7 @@ class TensorStore:
 
     def _write_nvme_gds(self, e, src_bytes):
         """One GPUDirect record: header block through the host engine, payload by kvikio."""
-        from megatron_snake.offload.gds import HEADER_BLOCK, gpu_checksum
+        from megatron_snake.storage.gds import HEADER_BLOCK, gpu_checksum
 
         f = self._file(e.kind)
         off, length = f.allocate(HEADER_BLOCK + e.nbytes)
@@ -649,7 +644,7 @@ class TensorStore:
         self.counters.add("nvme", nwritten=e.nbytes, requests=2, kind=e.kind)
 
     def _read_nvme_gds(self, e, dst_bytes):
-        from megatron_snake.offload.gds import HEADER_BLOCK, gpu_checksum
+        from megatron_snake.storage.gds import HEADER_BLOCK, gpu_checksum
 
         f = self._files[e.kind]
         (off, _), = e.nvme

@@ -12,10 +12,10 @@ import shutil
 import socket
 import time
 
-from megatron_snake.offload.errors import CapacityError, OffloadDirError
-from megatron_snake.offload.swap_file import read_file_header
+from megatron_snake.storage.errors import CapacityError, OffloadDirError
+from megatron_snake.storage.swap_file import read_file_header
 
-log = logging.getLogger("megatron_snake.offload")
+log = logging.getLogger("megatron_snake.storage")
 
 LOCK_NAME = "LOCK"
 SWAP_SUFFIX = ".swap"

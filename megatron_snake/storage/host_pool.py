@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from megatron_snake.offload.errors import HostMemoryError
+from megatron_snake.storage.errors import HostMemoryError
 
 PAGE = 4096
 

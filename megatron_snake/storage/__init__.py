@@ -1,0 +1,28 @@
+"""The tiered tensor store: GPU <-> pinned host pool <-> NVMe swap files.
+
+    from megatron_snake.storage import TensorStore
+    with TensorStore("/nvme/snake", rank=0, host_memory_limit=8 << 30) as store:
+        store.put("x", t, tier="nvme").wait()
+        t2 = store.get("x").wait()
+
+The bottom layer: it imports nothing else of megatron_snake and knows nothing of training.
+Modules, from the drive up: engine (the native csrc engine or a Python fallback), swap_file
+(the on-disk record format), directory (the rank directory, its lock, stale files and free
+space), host_pool (pinned buffers under a hard limit), gds (GPUDirect through kvikio),
+store (TensorStore), errors, and sizes (tier names and byte sizes).
+"""
+
+from megatron_snake.storage.errors import (CapacityError, HostMemoryError, IntegrityError,
+                                           OffloadDirError, OffloadError, OffloadIOError)
+
+
+def __getattr__(name):  # torch is heavy: import the store lazily
+    if name in ("TensorStore", "Handle", "Counters"):
+        from megatron_snake.storage import store
+
+        return getattr(store, name)
+    raise AttributeError(name)
+
+
+__all__ = ["TensorStore", "Handle", "Counters", "OffloadError", "OffloadDirError",
+           "CapacityError", "HostMemoryError", "IntegrityError", "OffloadIOError"]
