@@ -13,7 +13,7 @@ from megatron_snake import vertical_forward_backward
 from megatron_snake.offload import activation_plan
 from megatron_snake.offload.activation_plan import (ActivationPlanner, PlannedCheckpoints,
                                                     RecordingCheckpoints)
-from megatron_snake.offload.lifetimes import Event, LifetimeRecorder, Timeline
+from megatron_snake.placement.lifetimes import Event, LifetimeRecorder, Timeline
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.schedule.unit_store import InMemoryStore
 from megatron_snake.training.arguments import parse_args

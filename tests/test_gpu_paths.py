@@ -23,7 +23,7 @@ import torch
 
 from conftest import expect_flag_error, tiny_args
 from megatron_snake.storage import gds
-from megatron_snake.offload.lifetimes import LifetimeRecorder
+from megatron_snake.placement.lifetimes import LifetimeRecorder
 
 
 def _fake_kvikio(mode: str, prefers_compat: bool | None):

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from megatron_snake.offload.lifetimes import (Event, LifetimeRecorder, TensorLifetime, Timeline,
-                                              measure_tier_bandwidth)
-from megatron_snake.offload.plan import INF, Plan, make_plan, simulate
+from megatron_snake.offload.activation_plan import measure_tier_bandwidth
+from megatron_snake.placement.lifetimes import Event, LifetimeRecorder, TensorLifetime, Timeline
+from megatron_snake.placement.plan import INF, Plan, make_plan, simulate
 
 FLAG = "--snake-gpu-memory-limit"
 

@@ -13,11 +13,14 @@ again when the checkpoints' shapes or the number of micro-batches change.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
+import torch
+
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-from megatron_snake.offload.lifetimes import LifetimeRecorder, measure_tier_bandwidth
-from megatron_snake.offload.plan import make_plan
+from megatron_snake.placement.lifetimes import LifetimeRecorder
+from megatron_snake.placement.plan import make_plan
 
 UNLIMITED = 1 << 62
 
@@ -148,3 +151,34 @@ class ActivationPlanner:
             with open(self.plan_path, "w") as f:
                 f.write(self.plan.to_json())
             self.log(f"> activation plan written to {self.plan_path}")
+
+
+def measure_tier_bandwidth(store, nbytes: int = 64 << 20, tiers=("host", "nvme")) -> dict:
+    """Time one put (write) and one get (read) of an nbytes tensor through `store` on each
+    tier. Returns {tier: (read_Bps, write_Bps)} in bytes per second, the form make_plan
+    takes. NVMe reads may be served by the page cache when the engine is not O_DIRECT."""
+    # A private generator: the probe must not move the RNG streams training draws from.
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (max(1, int(nbytes)),), dtype=torch.uint8,
+                        generator=gen).to(store.device)
+    out = {}
+    for tier in tiers:
+        key = ("__bandwidth_probe__", tier)
+        _sync(store.device)
+        t0 = time.perf_counter()
+        store.put(key, src, tier=tier).wait()
+        t1 = time.perf_counter()
+        back = store.get(key).wait()
+        _sync(store.device)
+        t2 = time.perf_counter()
+        store.delete(key).wait()
+        if not torch.equal(back, src):
+            raise RuntimeError(f"bandwidth probe on tier {tier}: data came back different")
+        n = src.numel()
+        out[tier] = (n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9))
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -16,8 +16,6 @@ Events are identified by their position in the timeline; a lifetime says in whic
 tensor is produced and in which later events it is used. On a GPU an event's duration is the
 device's: CUDA events recorded on the compute stream at begin and end, read once at the end
 of each iteration (the host's clock would time kernel launches, not kernels).
-`measure_tier_bandwidth` times a put/get round trip through a TensorStore for the
-bandwidths the planner needs.
 """
 
 from __future__ import annotations
@@ -188,38 +186,3 @@ class LifetimeRecorder:
             for i, e in enumerate(events)])
         lifetimes = [TensorLifetime(k, nb, p, tuple(u)) for k, (nb, p, u) in tensors.items()]
         return timeline, lifetimes
-
-
-def measure_tier_bandwidth(store, nbytes: int = 64 << 20, tiers=("host", "nvme")) -> dict:
-    """Time one put (write) and one get (read) of an nbytes tensor through `store` on each
-    tier. Returns {tier: (read_Bps, write_Bps)} in bytes per second, the form make_plan
-    takes. NVMe reads may be served by the page cache when the engine is not O_DIRECT."""
-    import torch
-
-    # A private generator: the probe must not move the RNG streams training draws from.
-    gen = torch.Generator().manual_seed(0)
-    src = torch.randint(0, 256, (max(1, int(nbytes)),), dtype=torch.uint8,
-                        generator=gen).to(store.device)
-    out = {}
-    for tier in tiers:
-        key = ("__bandwidth_probe__", tier)
-        _sync(store.device)
-        t0 = time.perf_counter()
-        store.put(key, src, tier=tier).wait()
-        t1 = time.perf_counter()
-        back = store.get(key).wait()
-        _sync(store.device)
-        t2 = time.perf_counter()
-        store.delete(key).wait()
-        if not torch.equal(back, src):
-            raise RuntimeError(f"bandwidth probe on tier {tier}: data came back different")
-        n = src.numel()
-        out[tier] = (n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9))
-    return out
-
-
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_snake.offload.lifetimes import TensorLifetime, Timeline, validate
+from megatron_snake.placement.lifetimes import TensorLifetime, Timeline, validate
 from megatron_snake.storage.sizes import TIERS, gib
 
 OFF_TIERS = ("nvme", "host")          # slowest first: NVMe is plentiful, host memory is not
