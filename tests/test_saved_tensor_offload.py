@@ -11,11 +11,11 @@ import torch
 
 from conftest import build_model, gradients, make_microbatches, tiny_args, zero_gradients
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.offload.saved_tensors import (SavedTensorOffloader,
-                                                  megatron_activation_offload_forward_backward)
+from megatron_snake.offload.saved_tensors import SavedTensorOffloader
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.distributed import set_seed
-from megatron_snake.training.schedules import megatron_forward_backward
+from megatron_snake.training.schedules import (activation_offload_forward_backward,
+                                               megatron_forward_backward)
 
 MIN_BYTES = 4096
 SHAPE = ("--hidden-size", "64", "--seq-length", "64")
@@ -59,7 +59,7 @@ def test_megatron_schedule_bit_identical(megatron_world, deterministic, store, d
 
     off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES)
     set_seed(5)
-    losses = megatron_activation_offload_forward_backward(model, mbs, offloader=off)
+    losses = activation_offload_forward_backward(model, mbs, offloader=off)
 
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     for name, g in gradients(model).items():
@@ -69,7 +69,7 @@ def test_megatron_schedule_bit_identical(megatron_world, deterministic, store, d
     _assert_all_released(store, off)
 
     set_seed(5)
-    fwd = megatron_activation_offload_forward_backward(model, mbs, forward_only=True,
+    fwd = activation_offload_forward_backward(model, mbs, forward_only=True,
                                                        offloader=off)
     assert all(torch.equal(a, b) for a, b in zip(fwd, ref_losses)) or dropout
     _assert_all_released(store, off)

@@ -63,14 +63,14 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not ins
 import torch  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
-from megatron_snake.offload.saved_tensors import (  # noqa: E402
-    SavedTensorOffloader, megatron_activation_offload_forward_backward)
+from megatron_snake.offload.saved_tensors import SavedTensorOffloader  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
-from megatron_snake.training.schedules import megatron_forward_backward  # noqa: E402
+from megatron_snake.training.schedules import (  # noqa: E402
+    activation_offload_forward_backward, megatron_forward_backward)
 
 
 # ---------------------------------------------------------------------- accounting
@@ -216,7 +216,7 @@ def bench_case(model, seq, mbs, a, device, store):
         megatron_forward_backward(model, batches)
 
     def ours():
-        megatron_activation_offload_forward_backward(model, batches, offloader=offloader)
+        activation_offload_forward_backward(model, batches, offloader=offloader)
 
     runs = [("baseline", baseline), ("offload", ours)]
     times = {name: [] for name, _ in runs}

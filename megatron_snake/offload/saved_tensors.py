@@ -300,22 +300,3 @@ def offloaded_forward_step(forward_step_func, offloader: SavedTensorOffloader):
         return output, offloaded_loss_func
 
     return forward_step
-
-
-def megatron_activation_offload_forward_backward(model, microbatches, *, forward_only=False,
-                                                 offloader: SavedTensorOffloader):
-    """``training.schedules.megatron_forward_backward`` with saved tensors offloaded."""
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    from megatron_snake.training.schedules import pretrain_gpt_forward_step
-
-    models = model if isinstance(model, list) else [model]
-    for m in models:
-        offloader.add_parameters(m.parameters())
-    tokens = microbatches[0]["tokens"]
-    store = forward_backward_no_pipelining(
-        forward_step_func=offloaded_forward_step(pretrain_gpt_forward_step, offloader),
-        data_iterator=iter(microbatches), model=model, num_microbatches=len(microbatches),
-        seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=forward_only)
-    offloader.synchronize()
-    return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]

@@ -20,8 +20,7 @@ from megatron.core.pipeline_parallel.schedules import (
 
 from megatron_snake.offload.activation_plan import ActivationPlanner
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
-from megatron_snake.offload.saved_tensors import (SavedTensorOffloader,
-                                                  megatron_activation_offload_forward_backward)
+from megatron_snake.offload.saved_tensors import SavedTensorOffloader, offloaded_forward_step
 from megatron_snake.schedule.horizontal import horizontal_forward_backward
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
@@ -45,19 +44,34 @@ def pretrain_gpt_forward_step(data_iterator, model):
     return output, loss_func
 
 
-def megatron_forward_backward(model, microbatches, *, forward_only: bool = False):
+def megatron_forward_backward(model, microbatches, *, forward_only: bool = False,
+                              forward_step=pretrain_gpt_forward_step):
     """Megatron-Core's schedule for this run: ``forward_backward_no_pipelining``, or its
     1F1B ``forward_backward_pipelining_without_interleaving`` across pipeline stages (the
-    losses then come back on the last stage only)."""
+    losses then come back on the last stage only), with pretrain_gpt's forward step (or
+    ``forward_step``, e.g. one whose saved tensors are offloaded)."""
     tokens = microbatches[0]["tokens"]
     schedule = forward_backward_no_pipelining
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         schedule = forward_backward_pipelining_without_interleaving
     store = schedule(
-        forward_step_func=pretrain_gpt_forward_step, data_iterator=iter(microbatches),
+        forward_step_func=forward_step, data_iterator=iter(microbatches),
         model=model, num_microbatches=len(microbatches), seq_length=tokens.shape[1],
         micro_batch_size=tokens.shape[0], forward_only=forward_only)
     return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
+
+
+def activation_offload_forward_backward(model, microbatches, *, offloader,
+                                       forward_only: bool = False):
+    """Megatron's schedule with the tensors autograd saves offloaded by ``offloader``
+    (SSDTrain); every write has landed when it returns."""
+    for m in (model if isinstance(model, list) else [model]):
+        offloader.add_parameters(m.parameters())  # weights are never offloaded as activations
+    losses = megatron_forward_backward(
+        model, microbatches, forward_only=forward_only,
+        forward_step=offloaded_forward_step(pretrain_gpt_forward_step, offloader))
+    offloader.synchronize()
+    return losses
 
 
 def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
@@ -91,7 +105,7 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
 
         def offloaded_megatron_forward_backward(model, microbatches, *, forward_only=False):
             offloader.reset_peak()
-            losses = megatron_activation_offload_forward_backward(
+            losses = activation_offload_forward_backward(
                 model, microbatches, forward_only=forward_only, offloader=offloader)
             if not forward_only:
                 offloaded_megatron_forward_backward.activation_peak = \
