@@ -1,7 +1,7 @@
 """Megatron-Core 0.16.1 on a CPU-only torch: the five patches, in one place.
 
 Megatron-Core assumes CUDA in a few places. On a machine whose compute device is the CPU
-we patch exactly these (see shared/MEGATRON_ON_CPU.md for how each was found):
+we patch exactly these (docs/megatron_on_cpu.md says what each stands in for):
 
 1. RNG tracker: Megatron's tracker saves and restores the CUDA generator. On CPU, dropout
    draws from the CPU generator, so the tracker must fork that one (it runs on every

@@ -44,7 +44,7 @@ assert REC_HEADER.size == REC_HEADER_BYTES
 
 class Checksum:
     """A checksum over raw memory: fn(addr, nbytes) -> int. Chosen by measurement
-    (docs/benchmarks_io.md): crc32c in the native engine (SSE4.2, GIL released, ~6 GB/s
+    (docs/benchmarks.md, Storage): crc32c in the native engine (SSE4.2, GIL released, ~12 GB/s
     on one core here) when built; zlib.crc32 (GIL released, ~3 GB/s) otherwise."""
 
     def __init__(self, name=None):
