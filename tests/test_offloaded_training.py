@@ -23,7 +23,7 @@ from megatron_snake.storage.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
-from megatron_snake.schedule.horizontal import horizontal_forward_backward
+from megatron_snake.schedule.vertical import horizontal_forward_backward
 from megatron_snake.schedule.unit_store import CombinedStore
 
 LR, WD, STEPS, M = 5e-3, 0.1, 5, 3

@@ -125,7 +125,7 @@ def test_horizontal_schedule_bit_identical_to_megatron(megatron_world, checkpoin
     embeddings every gradient is bit-identical. (A tied embedding's output-layer and
     embedding terms are added to it one by one here, summed first in Megatron's single
     graph, so it would only agree within rounding.)"""
-    from megatron_snake.schedule.horizontal import horizontal_forward_backward
+    from megatron_snake.schedule.vertical import horizontal_forward_backward
 
     model = build_model(tiny_args(*MODEL_VARIANTS["learned-untied-gqa-rmsnorm-swiglu"]),
                         megatron_world)

@@ -42,9 +42,9 @@ from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
 from megatron_snake.optim.unit_params import UnitParams  # noqa: E402
-from megatron_snake.schedule.horizontal import horizontal_forward_backward  # noqa: E402
 from megatron_snake.schedule.unit_store import CombinedStore  # noqa: E402
-from megatron_snake.schedule.vertical import vertical_forward_backward  # noqa: E402
+from megatron_snake.schedule.vertical import (  # noqa: E402
+    horizontal_forward_backward, vertical_forward_backward)
 from megatron_snake.models.gpt_units import unwrap_model  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402

@@ -19,7 +19,7 @@ from __future__ import annotations
 from megatron_snake.schedule.pipeline import check_microbatches, snake_forward_backward
 from megatron_snake.schedule.unit_store import UnitStore
 
-__all__ = ["check_microbatches", "vertical_forward_backward"]
+__all__ = ["check_microbatches", "horizontal_forward_backward", "vertical_forward_backward"]
 
 
 def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
@@ -35,5 +35,17 @@ def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int =
     ``group_size`` (default: all micro-batches) cuts the step into snake groups.
     """
     return snake_forward_backward(model, microbatches, group_size=group_size,
+                                  checkpoint_interval=checkpoint_interval,
+                                  forward_only=forward_only, store=store)
+
+
+def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
+                                forward_only: bool = False, store: UnitStore | None = None):
+    """Megatron's micro-batch-major order over the same store (``--snake-schedule
+    horizontal``, an ablation): snake groups of one micro-batch, so each micro-batch runs
+    forward through every unit and then backward before the next starts, and every unit's
+    weights are acquired once per micro-batch: weight traffic grows with M, which is what
+    the vertical schedule removes. Gradients are summed in Megatron's order 0..M-1."""
+    return snake_forward_backward(model, microbatches, group_size=1,
                                   checkpoint_interval=checkpoint_interval,
                                   forward_only=forward_only, store=store)

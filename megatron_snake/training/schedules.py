@@ -21,10 +21,10 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron_snake.offload.activation_plan import ActivationPlanner
 from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader, offloaded_forward_step
-from megatron_snake.schedule.horizontal import horizontal_forward_backward
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
-from megatron_snake.schedule.vertical import vertical_forward_backward
+from megatron_snake.schedule.vertical import (horizontal_forward_backward,
+                                              vertical_forward_backward)
 
 StepFn = Callable[..., list]
 

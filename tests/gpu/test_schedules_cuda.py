@@ -34,7 +34,7 @@ from conftest import (build_model, gradients, make_microbatches,  # noqa: E402
 from gpu_helpers import DEVICE, gpu_world, on_device, rel_err, requires_device  # noqa: E402,F401
 from megatron_snake import vertical_forward_backward  # noqa: E402
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
-from megatron_snake.schedule.horizontal import horizontal_forward_backward  # noqa: E402
+from megatron_snake.schedule.vertical import horizontal_forward_backward  # noqa: E402
 from megatron_snake.training.distributed import set_seed  # noqa: E402
 
 pytestmark = requires_device
