@@ -39,6 +39,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not ins
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from megatron_snake.schedule.unit_store import InMemoryStore  # noqa: E402
 from megatron_snake.training.distributed import free_port, local_rank_env  # noqa: E402
 
 
@@ -62,16 +63,12 @@ class P2PTimers:
         return _Timer()
 
 
-class TimedCheckpoints:
+class TimedCheckpoints(InMemoryStore):
     """In-memory unit checkpoints that also time every compute event of the schedule."""
 
     def __init__(self):
-        from megatron_snake.schedule.unit_store import InMemoryStore
-
-        self.inner, self.compute_s = InMemoryStore(), 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+        super().__init__()
+        self.compute_s = 0.0
 
     def compute_event(self, sweep, unit, microbatch):
         bench = self

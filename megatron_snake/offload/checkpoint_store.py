@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from megatron_snake.schedule.order import snake_order
+from megatron_snake.schedule.unit_store import UnitStore
 
 KIND = "activations"
 
 
-class OffloadedCheckpoints:
+class OffloadedCheckpoints(UnitStore):
     """``tier`` is "host" or "nvme" for every checkpoint, or a function of the checkpoint's
     key giving "gpu" (stay in memory), "host" or "nvme" (a placement plan)."""
 

@@ -18,9 +18,10 @@ import torch
 
 from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
 from megatron_snake.optim.unit_params import SHARED, UnitParams
+from megatron_snake.schedule.unit_store import UnitStore
 
 
-class OffloadedUnits:
+class OffloadedUnits(UnitStore):
     def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
                  dtype: torch.dtype, tier: str = "nvme", pinned=()):
         """Moves the parameters' values into the store. Build ``optimizer`` first: it

@@ -30,8 +30,7 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
 from megatron_snake.schedule.order import snake_order
-from megatron_snake.schedule.unit_store import (UnitStore, begin_group, compute_event,
-                                                saved_tensors)
+from megatron_snake.schedule.unit_store import UnitStore
 
 
 def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int], *,
@@ -46,10 +45,10 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
     last = units.num_units - 1
     ends_model = units.owns_head(last)
     stop = last if (ends_model and not forward_only) else last + 1
-    begin_group(store, group)
+    store.begin_group(group)
     if inputs and stop == 0:  # the stage is one loss unit: nothing runs before the backward
         for mb in group:      # sweep, which recomputes from what arrived
-            with compute_event(store, "F", 0, mb):
+            with store.compute_event("F", 0, mb):
                 store.save_checkpoint(0, mb, inputs[mb])
     outputs = {}
     for unit in range(stop):
@@ -58,7 +57,7 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
                                for_backward=False)
         for i in snake_order(unit, len(group)):
             mb = group[i]
-            with compute_event(store, "F", unit, mb), record_function(f"snake/F u{unit} mb{mb}"):
+            with store.compute_event("F", unit, mb), record_function(f"snake/F u{unit} mb{mb}"):
                 if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
                     store.save_checkpoint(0, mb, inputs[mb])
                 hidden = None if units.owns_embedding(unit) else store.load_checkpoint(unit, mb)
@@ -97,13 +96,13 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
     total_tokens = torch.zeros([], dtype=torch.int,
                                device=contexts[group[0]].batch["loss_mask"].device)
     grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
-    begin_group(store, group)
+    store.begin_group(group)
     for unit in range(last, -1, -1):
         with record_function(f"snake/acquire u{unit}"):
             store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
         for i in snake_order(unit, len(group)):
             mb = group[i]
-            with compute_event(store, "B", unit, mb), record_function(f"snake/B u{unit} mb{mb}"):
+            with store.compute_event("B", unit, mb), record_function(f"snake/B u{unit} mb{mb}"):
                 ctx = contexts[mb]
                 hidden = None
                 if not units.owns_embedding(unit):
@@ -111,7 +110,7 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                 # The loss unit runs here for the first time: nothing to replay.
                 state = rng_states.pop((unit, mb), None)
                 replay = rng.replay(state) if state is not None else nullcontext()
-                with replay, torch.enable_grad(), units.autocast(), saved_tensors(store):
+                with replay, torch.enable_grad(), units.autocast(), store.saved_tensors():
                     out = units.forward_unit(unit, hidden, ctx)
                 if units.owns_head(unit):
                     loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])

@@ -1,41 +1,56 @@
-"""What the vertical schedule asks of storage: unit-input checkpoints and unit weights.
+"""What the vertical schedule asks of storage: unit inputs and unit weights.
 
-The schedule never knows where a tensor lives. It saves a checkpoint and loads it back
-later; it acquires a unit's weights before computing the unit (naming the unit it will
-need next, so a store can prefetch it) and releases them after. ``InMemoryStore`` keeps
-everything where it is; the offloading stores of megatron_snake.offload implement the same
-methods over GPU, host memory and NVMe.
+The schedule never knows where a tensor lives. It saves a unit's input (its activation
+checkpoint) and loads it back later; it acquires a unit's weights before computing the unit
+(naming the unit it will need next, so a store can prefetch it) and releases them after.
+``UnitStore`` names every call the schedule makes, with a default that does nothing where
+a store may have nothing to do; ``InMemoryStore`` keeps everything where it is; the stores
+of megatron_snake.offload implement the same calls over GPU, host memory and NVMe.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Protocol
 
 import torch
 
 
-def compute_event(store, sweep: str, unit: int, microbatch: int):
-    """The optional ``compute_event`` context of a store (a profiler times the schedule's
-    work through it), or nothing."""
-    hook = getattr(store, "compute_event", None)
-    return hook(sweep, unit, microbatch) if hook is not None else nullcontext()
+class UnitStore:
+    """The storage interface of the sweeps (schedule/sweeps.py)."""
+
+    # --- unit inputs: a store that keeps none (weights only) need not implement these
+    def save_checkpoint(self, unit: int, microbatch: int, hidden: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
+
+    def load_checkpoint(self, unit: int, microbatch: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
+
+    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
+
+    # --- unit weights
+    def acquire_unit(self, unit: int, *, next_unit: int | None, for_backward: bool) -> None:
+        """The unit's weights are in its parameters from now on (the model's own: nothing)."""
+
+    def release_unit(self, unit: int, *, gradients_final: bool) -> None:
+        """The unit is done for this sweep; ``gradients_final``: for this step too."""
+
+    # --- hooks
+    def begin_group(self, group: list[int]) -> None:
+        """The micro-batches the next sweep visits (a snake group), for reading ahead."""
+
+    def compute_event(self, sweep: str, unit: int, microbatch: int):
+        """A context around one (unit, micro-batch) computation: a profiler times it."""
+        return nullcontext()
+
+    def saved_tensors(self):
+        """A context for the tensors autograd saves inside a unit's recompute (an
+        SSDTrain offloader), or nothing."""
+        return nullcontext()
 
 
-class UnitStore(Protocol):
-    def save_checkpoint(self, unit: int, microbatch: int, hidden: torch.Tensor) -> None: ...
-
-    def load_checkpoint(self, unit: int, microbatch: int) -> torch.Tensor: ...
-
-    def drop_checkpoint(self, unit: int, microbatch: int) -> None: ...
-
-    def acquire_unit(self, unit: int, *, next_unit: int | None, for_backward: bool) -> None: ...
-
-    def release_unit(self, unit: int, *, gradients_final: bool) -> None: ...
-
-
-class InMemoryStore:
-    """Checkpoints stay on the compute device; weights stay in the model."""
+class InMemoryStore(UnitStore):
+    """Unit inputs stay on the compute device; weights stay in the model."""
 
     def __init__(self):
         self._checkpoints: dict[tuple[int, int], torch.Tensor] = {}
@@ -55,33 +70,12 @@ class InMemoryStore:
     def drop_checkpoint(self, unit, microbatch):
         del self._checkpoints[(unit, microbatch)]
 
-    def acquire_unit(self, unit, *, next_unit, for_backward):
-        pass
 
-    def release_unit(self, unit, *, gradients_final):
-        pass
+class CombinedStore(UnitStore):
+    """Unit inputs and their hooks from one store, unit weights from another, and
+    optionally an offloader for the tensors autograd saves inside each unit's recompute."""
 
-
-def begin_group(store, group: list[int]) -> None:
-    """Tell a store with a ``begin_group`` hook which micro-batches the next sweep visits
-    (a snake group), so it reads ahead within them only."""
-    hook = getattr(store, "begin_group", None)
-    if hook is not None:
-        hook(group)
-
-
-def saved_tensors(store):
-    """The store's optional context for the tensors autograd saves while a unit is
-    recomputed (an SSDTrain offloader), or nothing."""
-    hook = getattr(store, "saved_tensors", None)
-    return hook() if hook is not None else nullcontext()
-
-
-class CombinedStore:
-    """Checkpoints from one store, unit weights from another, and optionally an offloader
-    for the tensors autograd saves inside each unit's recompute."""
-
-    def __init__(self, checkpoints, weights, saved=None):
+    def __init__(self, checkpoints: UnitStore, weights: UnitStore, saved=None):
         self.checkpoints, self.weights, self.saved = checkpoints, weights, saved
 
     def saved_tensors(self):
@@ -103,7 +97,7 @@ class CombinedStore:
         self.weights.release_unit(unit, gradients_final=gradients_final)
 
     def compute_event(self, sweep, unit, microbatch):
-        return compute_event(self.checkpoints, sweep, unit, microbatch)
+        return self.checkpoints.compute_event(sweep, unit, microbatch)
 
     def begin_group(self, group):
-        begin_group(self.checkpoints, group)
+        self.checkpoints.begin_group(group)
