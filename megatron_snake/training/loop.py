@@ -66,7 +66,7 @@ def evaluate(args, model, forward_backward, valid_ds, device) -> float:
     with torch.no_grad():
         for _ in range(args.eval_iters):
             mbs = _next_microbatches(it, args.num_microbatches, device)
-            total += _lm_loss(forward_backward(model, mbs, forward_only=True), mbs)
+            total += _lm_loss(forward_backward(model, mbs, forward_only=True).losses, mbs)
     model.train()
     return total / max(args.eval_iters, 1)
 
@@ -223,10 +223,9 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
             run.finish()
 
 
-def _log_extra(run: Run) -> str:
+def _log_extra(run: Run, activation_peak: dict) -> str:
     """Store traffic (offloaded runs) and ZenFlow's fields, for the log line."""
-    parts = [offload.traffic(run.tensor_store,
-                             getattr(run.forward_backward, "activation_peak", None))]
+    parts = [offload.traffic(run.tensor_store, activation_peak)]
     if run.args.snake_zenflow:
         parts.append(run.optimizer.log_fields())
     return " | ".join(p for p in parts if p)
@@ -243,7 +242,8 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
         if hasattr(model, "zero_grad_buffer"):
             model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = run.forward_backward(model, mbs)
+        result = run.forward_backward(model, mbs)
+        losses = result.losses
         update_successful, grad_norm, _ = optimizer.step()
         if update_successful:
             run.scheduler.step(increment=args.global_batch_size)
@@ -255,7 +255,7 @@ def train(run: Run, train_iter, valid_ds, iteration: int, consumed: int) -> list
                      lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm,
                      loss_scale=optimizer.get_loss_scale().item(),
                      skipped=not update_successful,
-                     extra=_log_extra(run))
+                     extra=_log_extra(run, result.activation_peak))
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
             run.log.validation(iteration, evaluate(args, model, run.forward_backward, valid_ds,
                                                    run.device))

@@ -9,6 +9,7 @@ and a list of micro-batch dicts and return the per-micro-batch masked-mean losse
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 import os
 from typing import Callable
 
@@ -26,7 +27,18 @@ from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import (horizontal_forward_backward,
                                               vertical_forward_backward)
 
-StepFn = Callable[..., list]
+@dataclass
+class StepResult:
+    """What one step function call gives back: the per-micro-batch losses (on the last
+    pipeline stage; empty elsewhere), and for the log line the most bytes each kind of
+    offloaded activation held per tier during the step ("checkpoints" for unit inputs,
+    "saved tensors"; empty when nothing was offloaded or in evaluation)."""
+
+    losses: list
+    activation_peak: dict = field(default_factory=dict)
+
+
+StepFn = Callable[..., StepResult]
 
 
 def pretrain_gpt_forward_step(data_iterator, model):
@@ -103,19 +115,20 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
         offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
                                          min_bytes=args.snake_activation_offload_min_bytes)
 
-        def offloaded_megatron_forward_backward(model, microbatches, *, forward_only=False):
+        def offloaded_megatron_step(model, microbatches, *, forward_only=False):
             offloader.reset_peak()
             losses = activation_offload_forward_backward(
                 model, microbatches, forward_only=forward_only, offloader=offloader)
-            if not forward_only:
-                offloaded_megatron_forward_backward.activation_peak = \
-                    {"saved tensors": dict(offloader.peak)}
-            return losses
+            return StepResult(losses, {} if forward_only else
+                              {"saved tensors": dict(offloader.peak)})
 
-        offloaded_megatron_forward_backward.activation_peak = None  # the last step's, for the log
-        return offloaded_megatron_forward_backward
+        return offloaded_megatron_step
     if not args.snake_offload:
-        return megatron_forward_backward
+        def megatron_step(model, microbatches, *, forward_only=False):
+            return StepResult(megatron_forward_backward(model, microbatches,
+                                                        forward_only=forward_only))
+
+        return megatron_step
     schedule = horizontal_forward_backward if args.snake_schedule == "horizontal" \
         else functools.partial(vertical_forward_backward, group_size=args.snake_group_size)
 
@@ -128,7 +141,7 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
             tensor_store, "host" if args.snake_activation_tier == "host" else "nvme",
             min_bytes=args.snake_activation_offload_min_bytes)
 
-    def snake_forward_backward(model, microbatches, *, forward_only: bool = False):
+    def snake_step(model, microbatches, *, forward_only: bool = False):
         checkpoints = InMemoryStore()
         if planner is not None:
             checkpoints = planner.step_store(len(microbatches), forward_only=forward_only)
@@ -142,19 +155,16 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
                               saved)
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
                           forward_only=forward_only, store=store)
+        peaks = {}
         if not forward_only:
-            peaks = {}
             if isinstance(checkpoints, OffloadedCheckpoints):
                 peaks["checkpoints"] = dict(checkpoints.peak)
             if saved is not None:
                 peaks["saved tensors"] = dict(saved.peak)
-            snake_forward_backward.activation_peak = peaks
         if planner is not None and not forward_only:
             planner.after_step(checkpoints)
         elif isinstance(checkpoints, OffloadedCheckpoints):
             checkpoints.finish_step()
-        return losses
+        return StepResult(losses, peaks)
 
-    snake_forward_backward.activation_peak = None  # the last training step's, for the log
-
-    return snake_forward_backward
+    return snake_step

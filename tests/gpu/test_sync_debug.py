@@ -187,7 +187,7 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
             mbs = batches[-1]
             with record_syncs() as recorder:
                 optimizer.zero_grad()
-                losses = forward_backward(gpt, mbs)
+                losses = forward_backward(gpt, mbs).losses
                 update_successful, grad_norm, _ = optimizer.step()
                 lm_loss = loop._lm_loss(losses, mbs)
                 tstore.synchronize()   # the step's store work, on the store's threads
