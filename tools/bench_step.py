@@ -158,7 +158,8 @@ def train_tokens_per_s(args, device, *, offload: bool, store_dir: str, steps: in
         if offload:
             state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, device)
             model, opt = gpt, state.optimizer
-            forward_backward = make_forward_backward(args, tstore, device, state.weights)
+            forward_backward = make_forward_backward(args, tstore, device, state.weights,
+                                                     state.units)
         else:
             model = wrap_ddp(gpt)
             opt, _ = build_optimizer(args, model)

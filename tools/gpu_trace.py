@@ -160,7 +160,7 @@ def record_step(a, args, device, trace_path: str) -> dict:
         t0 = time.perf_counter()
         state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, device)
         opt = state.optimizer
-        forward_backward = make_forward_backward(args, tstore, device, state.weights)
+        forward_backward = make_forward_backward(args, tstore, device, state.weights, state.units)
         print(f"> offloaded state built in {time.perf_counter() - t0:.1f} s "
               f"({tstore.dir.path})", flush=True)
         try:

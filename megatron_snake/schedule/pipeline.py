@@ -156,7 +156,7 @@ def _stage_tensor_shape(units: GPTUnits, microbatches) -> tuple[int, int, int]:
 
 def snake_forward_backward(model, microbatches, *, group_size: int | None = None,
                            checkpoint_interval: int = 1, forward_only: bool = False,
-                           store: UnitStore | None = None):
+                           store: UnitStore | None = None, units: GPTUnits | None = None):
     """Run one step's micro-batches on this pipeline stage in snake groups, 1F1B-style.
 
     Every stage passes the same list of micro-batch dicts (the first stage reads tokens,
@@ -166,7 +166,11 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
     ``config.finalize_model_grads_func`` when it is set, as they do.
     """
     check_microbatches(microbatches)
-    units = GPTUnits(model, checkpoint_interval)
+    if units is None:
+        units = GPTUnits(model, checkpoint_interval)
+    elif units.checkpoint_interval != checkpoint_interval:
+        raise ValueError(f"units were cut every {units.checkpoint_interval} layers, the step "
+                         f"asks for --snake-checkpoint-interval {checkpoint_interval}")
     store = InMemoryStore() if store is None else store
     config = units.config
     groups = snake_groups(len(microbatches), group_size)

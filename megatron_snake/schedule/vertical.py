@@ -16,6 +16,7 @@ order instead of 0..M-1 (bit-identical for M <= 2, within float rounding otherwi
 
 from __future__ import annotations
 
+from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule.pipeline import check_microbatches, snake_forward_backward
 from megatron_snake.schedule.unit_store import UnitStore
 
@@ -24,7 +25,7 @@ __all__ = ["check_microbatches", "horizontal_forward_backward", "vertical_forwar
 
 def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
                               forward_only: bool = False, store: UnitStore | None = None,
-                              group_size: int | None = None):
+                              group_size: int | None = None, units: GPTUnits | None = None):
     """Run one step's micro-batches through ``model`` in vertical (snake) order.
 
     Returns the per-micro-batch losses (masked mean of token losses, detached), in
@@ -32,15 +33,17 @@ def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int =
     Unless ``forward_only``, accumulates into ``param.grad`` (or ``param.main_grad`` under
     Megatron DDP) what Megatron's schedule accumulates with pretrain_gpt's loss, and calls
     ``config.finalize_model_grads_func`` when it is set, as Megatron's schedule does.
-    ``group_size`` (default: all micro-batches) cuts the step into snake groups.
+    ``group_size`` (default: all micro-batches) cuts the step into snake groups. ``units``:
+    the model's unit partition, when the caller made it once for the run (else made here).
     """
     return snake_forward_backward(model, microbatches, group_size=group_size,
                                   checkpoint_interval=checkpoint_interval,
-                                  forward_only=forward_only, store=store)
+                                  forward_only=forward_only, store=store, units=units)
 
 
 def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
-                                forward_only: bool = False, store: UnitStore | None = None):
+                                forward_only: bool = False, store: UnitStore | None = None,
+                                units: GPTUnits | None = None):
     """Megatron's micro-batch-major order over the same store (``--snake-schedule
     horizontal``, an ablation): snake groups of one micro-batch, so each micro-batch runs
     forward through every unit and then backward before the next starts, and every unit's
@@ -48,4 +51,4 @@ def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int
     the vertical schedule removes. Gradients are summed in Megatron's order 0..M-1."""
     return snake_forward_backward(model, microbatches, group_size=1,
                                   checkpoint_interval=checkpoint_interval,
-                                  forward_only=forward_only, store=store)
+                                  forward_only=forward_only, store=store, units=units)

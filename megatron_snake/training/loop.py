@@ -181,7 +181,8 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
             scheduler = build_scheduler(args, optimizer)
             unwrap_model(gpt).config.grad_scale_func = optimizer.scale_loss if args.fp16 \
                 else None
-            forward_backward = make_forward_backward(args, tensor_store, device, state.weights)
+            forward_backward = make_forward_backward(args, tensor_store, device, state.weights,
+                                                     state.units)
         else:
             state = None
             model = wrap_ddp(gpt)

@@ -98,6 +98,7 @@ class OffloadedState:
     """The offloaded training state of one model: unit weights and gradients, and the
     AdamW whose master weights and moments live in the store."""
 
+    units: GPTUnits            # the unit partition, made once for the run
     weights: OffloadedUnits
     optimizer: OffloadedAdamW
     capacity: tuple = (0, 0)   # (bytes needed, bytes free) on the offload drive, checked
@@ -237,7 +238,8 @@ def _embedding_group(gpt):
 def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
     limit and that the drive has room for all of it first)."""
-    params = UnitParams.of(GPTUnits(gpt, args.snake_checkpoint_interval))
+    units = GPTUnits(gpt, args.snake_checkpoint_interval)
+    params = UnitParams.of(units)
     if args.snake_gpu_memory_limit is not None:
         need, unit = unit_working_set_bytes(args, params)
         if args.snake_gpu_memory_limit < need:
@@ -266,4 +268,4 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=args.snake_param_tier,
                              pinned=units_to_pin(args, params, dp_size))
-    return OffloadedState(weights, optimizer, capacity)
+    return OffloadedState(units, weights, optimizer, capacity)

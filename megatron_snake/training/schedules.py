@@ -107,10 +107,12 @@ def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner
                              plan_path=path, log=print if rank0 else (lambda *a: None))
 
 
-def make_forward_backward(args, tensor_store=None, device=None, weights=None) -> StepFn:
+def make_forward_backward(args, tensor_store=None, device=None, weights=None,
+                          units=None) -> StepFn:
     """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
-    to ``--snake-activation-tier`` through ``tensor_store`` and unit weights come from
-    ``weights`` (an OffloadedUnits), when given."""
+    to ``--snake-activation-tier`` through ``tensor_store``, unit weights come from
+    ``weights`` (an OffloadedUnits) and the unit partition is ``units`` (a GPTUnits made
+    once for the run), when given."""
     if args.snake_activation_offload and not args.snake_offload:
         offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
                                          min_bytes=args.snake_activation_offload_min_bytes)
@@ -154,7 +156,7 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None) ->
         store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore(),
                               saved)
         losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
-                          forward_only=forward_only, store=store)
+                          forward_only=forward_only, store=store, units=units)
         peaks = {}
         if not forward_only:
             if isinstance(checkpoints, OffloadedCheckpoints):

@@ -173,7 +173,7 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
         optimizer = state.optimizer
         units = len(state.weights.params.units)
         gpt.config.grad_scale_func = optimizer.scale_loss if args.fp16 else None  # as pretrain
-        forward_backward = make_forward_backward(args, tstore, DEVICE, state.weights)
+        forward_backward = make_forward_backward(args, tstore, DEVICE, state.weights, state.units)
         gpt.train()
         batches = [random_microbatches(NUM_MICROBATCHES, MICRO_BATCH, args.seq_length, VOCAB,
                                        seed=step, device=DEVICE)
