@@ -57,6 +57,22 @@ def test_save_and_resume_reproduces_losses(megatron_world, tmp_path, snake):
     assert resumed == full[5:], (resumed, full[5:])
 
 
+def test_no_load_optim_takes_the_loaded_weights_as_master_weights(megatron_world, tmp_path):
+    """--load --no-load-optim: a fresh optimizer whose fp32 master weights are the loaded
+    weights (Megatron-LM's reload_model_params), with --snake-offload as without it: the
+    same losses after the load, and not the losses of the random initialisation."""
+    flags = [*SMALL, *NO_DROPOUT, "--deterministic-mode"]
+    trained = pretrain(parse_args([*flags, "--train-iters", "6", "--snake-offload",
+                                   "--save", str(tmp_path)]))
+    after = [*flags, "--train-iters", "9", "--load", str(tmp_path), "--no-load-optim"]
+    megatron = pretrain(parse_args(after))
+    snake = pretrain(parse_args([*after, "--snake-offload"]))
+    assert len(megatron) == len(snake) == 3
+    for it, (a, b) in enumerate(zip(megatron, snake), start=7):
+        assert abs(a - b) <= 1e-5 * abs(a), f"iteration {it}: megatron {a} snake {b}"
+    assert snake[-1] < trained[0] - 0.1, "the run went on from the loaded weights"
+
+
 def test_save_interval_and_atomic_layout(megatron_world, tmp_path):
     flags = [*SMALL, *NO_DROPOUT, "--train-iters", "4", "--snake-offload", "--save",
              str(tmp_path), "--save-interval", "2"]

@@ -198,6 +198,17 @@ class OffloadedUnits(UnitStore):
                            f"unexpected {unexpected}")
         self.store.synchronize()
 
+    def reload_master_weights(self) -> None:
+        """The optimizer's fp32 master weights from the working weights as they are now
+        (after a --load --no-load-optim), layout by layout: Megatron's
+        reload_model_params."""
+        for lay in self.params.units:
+            self.optimizer.set_master_weights(lay.key, self._read_flat(lay))
+        if self.params.shared.segments:
+            self.optimizer.set_master_weights(self.params.shared.key,
+                                              self.params.shared.gather())
+        self.store.synchronize()
+
     def load_all(self) -> None:
         """Every pending update applied and every unit's weights back in its parameters
         (for evaluation outside the schedule, a checkpoint, or the end of training)."""

@@ -28,11 +28,12 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_snake.optim.adamw import (STATES, HostAdamW, clip_coefficient, fused_adamw_,
+                                        megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
-STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def part_bounds(numel: int, alpha: float, dp: DataParallel = DataParallel()):
@@ -52,7 +53,7 @@ class StepHyper:
     weight_decay: float
 
 
-class OffloadedAdamW:
+class OffloadedAdamW(HostAdamW):
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
@@ -88,9 +89,7 @@ class OffloadedAdamW:
         self._read_loss_scale()
         # Called with (layout key, part, new working values) after each part's update.
         self.on_weights = on_weights
-        # Two groups so Megatron's scheduler sets lr for both and wd only for the first.
-        self.param_groups = [{"lr": lr, "weight_decay": weight_decay, "wd_mult": 1.0},
-                             {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0}]
+        self.param_groups = megatron_param_groups(lr, weight_decay)
         self.iteration = 0           # completed steps
         self._hyper: StepHyper | None = None
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm
@@ -227,7 +226,7 @@ class OffloadedAdamW:
             total = squares.sqrt()[0]
         self._clip_coef = None
         if self.clip_grad:
-            self._clip_coef = torch.clamp(self.clip_grad / (total + 1.0e-6), max=1.0)
+            self._clip_coef = clip_coefficient(self.clip_grad, total)
         self.iteration += 1
         self._hyper, self._norms = None, {}
         return True, total.item(), None
@@ -284,6 +283,16 @@ class OffloadedAdamW:
                 name: torch.cat([self.store.get((name, key, part)).wait() for part in PARTS])
                 for name in STATES}
         return state
+
+    def set_master_weights(self, key, flat: torch.Tensor) -> None:
+        """Master weights of layout ``key`` from ``flat`` (the whole layout, any dtype and
+        device): this rank's parts, in fp32. Before the first step only (--no-load-optim)."""
+        if self.iteration or self._hyper is not None:
+            raise RuntimeError("master weights can be replaced only before the first step")
+        full = flat.detach().reshape(-1).to("cpu", torch.float32)
+        for part, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key])):
+            self.store.put(("master", key, part), full[lo:hi].clone(), tier=self.tier,
+                           kind="optim")
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["layouts"]) != set(self.layouts):
@@ -349,12 +358,11 @@ class OffloadedAdamW:
         for decay, pieces in by_decay.items():
             if not pieces:
                 continue
-            torch._fused_adamw_(
-                [state["master"][s] for s in pieces], [grad[s] for s in pieces],
-                [state["exp_avg"][s] for s in pieces], [state["exp_avg_sq"][s] for s in pieces],
-                [], [step] * len(pieces), lr=hyper.lr, beta1=self.beta1, beta2=self.beta2,
-                weight_decay=hyper.weight_decay if decay else 0.0, eps=self.eps,
-                amsgrad=False, maximize=False)
+            fused_adamw_([state["master"][s] for s in pieces], [grad[s] for s in pieces],
+                         [state["exp_avg"][s] for s in pieces],
+                         [state["exp_avg_sq"][s] for s in pieces], step, lr=hyper.lr,
+                         beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                         weight_decay=hyper.weight_decay if decay else 0.0)
         for name in STATES:
             self.store.put((name, key, part), state[name], tier=self.tier, kind="optim")
         if self.on_weights is not None:

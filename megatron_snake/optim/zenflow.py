@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_snake.optim.adamw import (STATES, HostAdamW, clip_coefficient, fused_adamw_,
+                                        megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow_select import complement, select_columns
@@ -124,14 +126,11 @@ class Traffic:
     cpu_wait_s: float = 0.0
 
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
-
-
 def _host_empty(shape, pin: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.float32, pin_memory=pin)
 
 
-class ZenFlowAdamW:
+class ZenFlowAdamW(HostAdamW):
     """AdamW split by gradient importance. Drives like Megatron's optimizer:
     ``zero_grad``, ``step() -> (ok, grad_norm, None)``, ``param_groups`` for Megatron's
     scheduler, ``state_dict``/``load_state_dict``; plus ``flush``/``close`` at the end."""
@@ -142,8 +141,7 @@ class ZenFlowAdamW:
                  dp: DataParallel = DataParallel()):
         self.settings, self.dp = settings or ZenFlowSettings(), dp
         self.beta1, self.beta2, self.eps, self.clip_grad = beta1, beta2, eps, clip_grad
-        self.param_groups = [{"lr": lr, "weight_decay": weight_decay, "wd_mult": 1.0},
-                             {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0}]
+        self.param_groups = megatron_param_groups(lr, weight_decay)
         self.params: list[_Param] = []
         for name, p in named_params:
             if not p.requires_grad:
@@ -174,9 +172,6 @@ class ZenFlowAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:  # Megatron's DDP zeroes main_grad itself (zero_grad_buffer)
             p.param.grad = None
-
-    def get_loss_scale(self) -> torch.Tensor:
-        return torch.tensor(1.0)
 
     @torch.no_grad()
     def step(self):
@@ -220,15 +215,14 @@ class ZenFlowAdamW:
         total = torch.linalg.vector_norm(norms)
         if not self.clip_grad:
             return total.item(), None, None
-        coef = torch.clamp(self.clip_grad / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(self.clip_grad, total)
         norm, coef_value = torch.stack([total, coef]).tolist()
         return norm, coef, coef_value
 
     def _hyper(self, p: _Param):
         group = self.param_groups[0]
         return dict(lr=group["lr"], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                    weight_decay=group["weight_decay"] if p.decay else 0.0,
-                    amsgrad=False, maximize=False)
+                    weight_decay=group["weight_decay"] if p.decay else 0.0)
 
     def _step_tensor(self, step: int, device: torch.device) -> torch.Tensor:
         """The fused kernel's step count on ``device``: made once per step (torch.full is a
@@ -240,9 +234,8 @@ class ZenFlowAdamW:
         return cached[1]
 
     def _adamw(self, p: _Param, state: dict, grad: torch.Tensor, step: int, hyper=None):
-        torch._fused_adamw_([state["master"]], [grad], [state["exp_avg"]],
-                            [state["exp_avg_sq"]], [], [self._step_tensor(step, grad.device)],
-                            **(hyper or self._hyper(p)))
+        fused_adamw_([state["master"]], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+                     self._step_tensor(step, grad.device), **(hyper or self._hyper(p)))
 
     def _host_state(self, p: _Param) -> dict:
         return {name: getattr(p, name) for name in STATES}

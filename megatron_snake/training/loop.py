@@ -19,6 +19,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
 from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.optim.adamw import HostAdamW
 from megatron_snake.training import checkpointing, distributed, offload
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
@@ -101,16 +102,18 @@ class Run:
         if not self.args.no_load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
-        elif hasattr(self.optimizer, "reload_model_params"):
+        elif self.offloaded:
             # A fresh optimizer copied its master weights before the load: take the loaded
             # weights instead (what Megatron-LM does with --no-load-optim).
+            self.offloaded.weights.reload_master_weights()
+        else:
             self.optimizer.reload_model_params()
         if not self.args.no_load_rng:
             checkpointing.set_rng_state(state["rng_state"])
 
     def finish(self) -> None:
         """Apply pending updates and stop the optimizer's worker."""
-        if self.offloaded or self.args.snake_zenflow:
+        if isinstance(self.optimizer, HostAdamW):  # Megatron's own needs neither
             self.optimizer.flush()
             self.optimizer.close()
 
