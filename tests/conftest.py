@@ -53,7 +53,7 @@ def make_microbatches(num: int, batch: int = 2, seq: int = 16, seed: int = 0,
 def megatron_forward_backward(model, microbatches, forward_only: bool = False):
     """Megatron-Core's forward_backward_no_pipelining with pretrain_gpt's forward step and
     loss. Returns per-micro-batch masked-mean losses."""
-    from megatron_snake.training.schedules import megatron_forward_backward as reference
+    from megatron_snake.training.step import megatron_forward_backward as reference
 
     return reference(model, microbatches, forward_only=forward_only)
 

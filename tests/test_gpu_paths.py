@@ -98,7 +98,7 @@ def test_io_engine_flag_needs_an_offload_store(capsys):
 
 
 def test_io_engine_flag_reaches_the_store(megatron_world, tmp_path):
-    from megatron_snake.training.offload import open_store
+    from megatron_snake.training.offloaded_state import open_store
 
     args = tiny_args("--snake-offload", "--snake-io-engine", "python",
                      "--snake-offload-dir", str(tmp_path))

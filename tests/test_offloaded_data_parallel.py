@@ -46,7 +46,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
     from megatron_snake.training import distributed
     from megatron_snake.training.model import wrap_ddp
     from megatron_snake.training.optimizer import build_scheduler
-    from megatron_snake.training.schedules import megatron_forward_backward
+    from megatron_snake.training.step import megatron_forward_backward
 
     device = distributed.resolve_device("cpu")
     distributed.initialize(device=device, seed=1234)

@@ -261,7 +261,7 @@ def test_memory_limit_pins_units_and_auto_tiers_pick_host(megatron_world, tmp_pa
     assert (auto.snake_param_tier, auto.snake_optimizer_tier) == ("host", "host")
     tiny = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto",
                        "--snake-host-memory-limit", "64MiB"])
-    from megatron_snake.training.offload import resolve_state_tiers
+    from megatron_snake.training.offloaded_state import resolve_state_tiers
     resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20)
     assert (tiny.snake_param_tier, tiny.snake_optimizer_tier) == ("host", "nvme")
 

@@ -187,7 +187,7 @@ def test_default_group_size_keeps_at_least_4_groups_per_extra_stage(micro_batche
 
 
 def test_offload_dir_template_fields(monkeypatch):
-    from megatron_snake.training.offload import offload_dir_for_rank
+    from megatron_snake.training.offloaded_state import offload_dir_for_rank
 
     monkeypatch.setenv("GROUP_RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -14,7 +14,7 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.distributed import set_seed
-from megatron_snake.training.schedules import (activation_offload_forward_backward,
+from megatron_snake.training.step import (activation_offload_forward_backward,
                                                megatron_forward_backward)
 
 MIN_BYTES = 4096

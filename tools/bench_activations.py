@@ -69,7 +69,7 @@ from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
-from megatron_snake.training.schedules import (  # noqa: E402
+from megatron_snake.training.step import (  # noqa: E402
     activation_offload_forward_backward, megatron_forward_backward)
 
 

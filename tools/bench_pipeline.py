@@ -97,7 +97,7 @@ def _stage_main(rank, world, port, a, out_dir):
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.data import random_microbatches
     from megatron_snake.training.model import build_gpt_model
-    from megatron_snake.training.offload import build_offloaded_state
+    from megatron_snake.training.offloaded_state import build_offloaded_state
 
     args = parse_args([
         "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),

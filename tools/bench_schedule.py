@@ -32,7 +32,7 @@ from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
-from megatron_snake.training.schedules import megatron_forward_backward  # noqa: E402
+from megatron_snake.training.step import megatron_forward_backward  # noqa: E402
 
 # (layers, hidden, heads, seq, micro-batch size, micro-batches, checkpoint interval)
 PRESETS = {

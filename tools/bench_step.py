@@ -142,10 +142,10 @@ def train_tokens_per_s(args, device, *, offload: bool, store_dir: str, steps: in
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_snake.training import offload as offload_setup
+    from megatron_snake.training import offloaded_state as offload_setup
     from megatron_snake.training.model import wrap_ddp
     from megatron_snake.training.optimizer import build_optimizer
-    from megatron_snake.training.schedules import make_forward_backward
+    from megatron_snake.training.step import make_forward_backward
 
     cuda = device.type == "cuda"   # the CPU runs it too, as a smoke test of this code
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)

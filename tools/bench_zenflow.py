@@ -45,7 +45,7 @@ from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model, wrap_ddp  # noqa: E402
 from megatron_snake.training.optimizer import build_zenflow_optimizer  # noqa: E402
-from megatron_snake.training.schedules import megatron_forward_backward  # noqa: E402
+from megatron_snake.training.step import megatron_forward_backward  # noqa: E402
 
 
 def model_args(a, exact: bool):

@@ -133,10 +133,10 @@ def record_step(a, args, device, trace_path: str) -> dict:
     from megatron.core.transformer.module import Float16Module
 
     from megatron_snake.models.gpt_units import unwrap_model
-    from megatron_snake.training import offload as offload_setup
+    from megatron_snake.training import offloaded_state as offload_setup
     from megatron_snake.training.data import random_microbatches
     from megatron_snake.training.model import build_gpt_model
-    from megatron_snake.training.schedules import make_forward_backward
+    from megatron_snake.training.step import make_forward_backward
 
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)

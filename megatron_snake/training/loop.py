@@ -20,12 +20,12 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.optim.adamw import HostAdamW
-from megatron_snake.training import checkpointing, distributed, offload
+from megatron_snake.training import checkpointing, distributed, offloaded_state
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
 from megatron_snake.training.optimizer import (build_optimizer, build_scheduler,
                                                build_zenflow_optimizer)
-from megatron_snake.training.schedules import make_forward_backward
+from megatron_snake.training.step import make_forward_backward
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
 from megatron_snake.training.train_log import TrainLog
 
@@ -84,7 +84,7 @@ class Run:
     log: TrainLog
     forward_backward: Callable
     tensor_store: object | None = None
-    offloaded: offload.OffloadedState | None = None
+    offloaded: offloaded_state.OffloadedState | None = None
 
     def state_for_checkpoint(self) -> dict:
         gpt = unwrap_model(self.model)
@@ -174,9 +174,10 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
         num_samples=num_samples_for(args.train_iters, args.global_batch_size,
                                     args.eval_interval, args.eval_iters))
 
-    with offload.open_store(args, device, rank) as tensor_store:
+    with offloaded_state.open_store(args, device, rank) as tensor_store:
         if args.snake_offload:
-            state = offload.build_offloaded_state(args, unwrap_model(gpt), tensor_store, device)
+            state = offloaded_state.build_offloaded_state(args, unwrap_model(gpt), tensor_store,
+                                                          device)
             log.print(state.summary(args))
             log.print(f"> offload directory {tensor_store.dir.path}, I/O engine "
                       f"{tensor_store.engine.name}")
@@ -229,7 +230,7 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
 
 def _log_extra(run: Run, activation_peak: dict) -> str:
     """Store traffic (offloaded runs) and ZenFlow's fields, for the log line."""
-    parts = [offload.traffic(run.tensor_store, activation_peak)]
+    parts = [offloaded_state.traffic(run.tensor_store, activation_peak)]
     if run.args.snake_zenflow:
         parts.append(run.optimizer.log_fields())
     return " | ".join(p for p in parts if p)

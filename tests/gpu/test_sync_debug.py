@@ -152,10 +152,10 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
 
     from megatron_snake.models.gpt_units import unwrap_model
     from megatron_snake.training import loop
-    from megatron_snake.training import offload as offload_setup
+    from megatron_snake.training import offloaded_state as offload_setup
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.data import random_microbatches
-    from megatron_snake.training.schedules import make_forward_backward
+    from megatron_snake.training.step import make_forward_backward
 
     args = parse_args([
         "--num-layers", str(NUM_LAYERS), "--hidden-size", "32", "--num-attention-heads", "4",

@@ -1,9 +1,10 @@
-"""The two ways a step's micro-batches are run, behind one signature.
-
-``megatron`` is Megatron-Core's own schedule (``forward_backward_no_pipelining``, or 1F1B
-across pipeline stages) with pretrain_gpt's forward step and loss; ``vertical`` is
-megatron_snake's snake schedule (in snake groups across pipeline stages). Both take the model
-and a list of micro-batch dicts and return the per-micro-batch masked-mean losses.
+"""One training step's forward and backward, the three ways a run can take, behind one
+signature: Megatron-Core's own schedule (``forward_backward_no_pipelining``, or 1F1B across
+pipeline stages) with pretrain_gpt's forward step and loss; the same with the tensors
+autograd saves offloaded (``--snake-activation-offload``); and megatron_snake's snake
+schedule over the tiered store (``--snake-offload``). Each takes the model and a list of
+micro-batch dicts and returns a StepResult: the per-micro-batch masked-mean losses and the
+step's telemetry.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def activation_offload_forward_backward(model, microbatches, *, offloader,
 def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
     """The planner for ``--snake-activation-tier auto``: the GPU budget for checkpoints is
     ``--snake-gpu-memory-limit`` less the largest unit's working set and the pinned units."""
-    from megatron_snake.training.offload import unit_working_set_bytes
+    from megatron_snake.training.offloaded_state import unit_working_set_bytes
 
     gpu_budget = None
     if args.snake_gpu_memory_limit is not None and weights is not None:

@@ -1,4 +1,7 @@
-"""Open the run's tiered store from the flags, plan its NVMe bytes, report traffic."""
+"""The offloaded part of a run, from the flags: the tensor store under
+``--snake-offload-dir``, the tiers and bytes of the offloaded state (checked against the
+device limit and the drive's free space before anything is written), the offloaded units
+and optimizer, and the store's traffic for the log line."""
 
 from __future__ import annotations
 
