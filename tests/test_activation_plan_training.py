@@ -11,8 +11,8 @@ import torch
 from conftest import build_model, gradients, make_microbatches, tiny_args, zero_gradients
 from megatron_snake import vertical_forward_backward
 from megatron_snake.offload import activation_plan
-from megatron_snake.offload.activation_plan import (ActivationPlanner, PlannedCheckpoints,
-                                                    RecordingCheckpoints)
+from megatron_snake.offload.activation_plan import (ActivationPlanner, PlannedUnitInputs,
+                                                    RecordingUnitInputs)
 from megatron_snake.placement.lifetimes import Event, LifetimeRecorder, Timeline
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.schedule.unit_store import InMemoryStore
@@ -95,7 +95,7 @@ def test_reads_are_issued_at_the_plans_prefetch_events(megatron_world, tmp_path,
             planner.after_step(checkpoints)
             assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
             assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), step
-        assert isinstance(checkpoints, PlannedCheckpoints)
+        assert isinstance(checkpoints, PlannedUnitInputs)
     plan = planner.plan
     planned = sorted((p, key) for key, pl in plan.placements.items() for p in pl.prefetch_at)
     assert planned and sorted(checkpoints.prefetch_log) == planned
@@ -122,9 +122,9 @@ def test_plan_is_made_again_when_shapes_change(megatron_world, tmp_path):
             if len(seen) in (1, 4, 6):        # the profiled steps
                 seen[-1] += (planner.plan,)
     kinds = [s[0] for s in seen]
-    assert kinds == [RecordingCheckpoints, PlannedCheckpoints, PlannedCheckpoints,
-                     RecordingCheckpoints, PlannedCheckpoints, RecordingCheckpoints,
-                     PlannedCheckpoints]
+    assert kinds == [RecordingUnitInputs, PlannedUnitInputs, PlannedUnitInputs,
+                     RecordingUnitInputs, PlannedUnitInputs, RecordingUnitInputs,
+                     PlannedUnitInputs]
     first, second, third = seen[0][2], seen[3][2], seen[5][2]
     assert planner.plans_made == 3 and len({id(first), id(second), id(third)}) == 3
     assert seen[1][1] is first and seen[2][1] is first   # the seq-32 step ran on the old plan

@@ -36,7 +36,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
     from conftest import build_model, make_microbatches, tiny_args
     from megatron_snake import vertical_forward_backward
     from megatron_snake.models.gpt_units import GPTUnits
-    from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+    from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
     from megatron_snake.storage.store import TensorStore
     from megatron_snake.offload.unit_weights import OffloadedUnits
     from megatron_snake.optim.dp_shards import DataParallel
@@ -87,7 +87,7 @@ def _rank_main(rank: int, port: int, root: str, clip: float):
         assert opt.state_bytes() <= 12 * (total // WORLD + len(params.units)), \
             "each rank holds only its shard of the optimizer state"
         for mbs in batches:
-            ckpts = OffloadedCheckpoints(store, "nvme", len(mbs), device)
+            ckpts = OffloadedUnitInputs(store, "nvme", len(mbs), device)
             vertical_forward_backward(ours, mbs, checkpoint_interval=2,
                                       store=CombinedStore(ckpts, weights))
             ckpts.finish_step()

@@ -18,7 +18,7 @@ from conftest import (build_model, make_microbatches, megatron_forward_backward,
                       torch_adamw)
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
@@ -68,11 +68,11 @@ def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical
 
         tstore.get = counting_get
         for mbs in batches:
-            store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", len(mbs),
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", len(mbs),
                                                        torch.device("cpu")), weights)
             before = weight_reads[0]
             losses.append(schedule(model, mbs, checkpoint_interval=interval, store=store))
-            store.checkpoints.finish_step()
+            store.inputs.finish_step()
             opt.step()
             sched.step(increment=1)
             traffic.append(weight_reads[0] - before)
@@ -175,11 +175,11 @@ def test_weight_bytes_from_nvme_per_step_vs_microbatches(megatron_world, tmp_pat
             reads = []
             for step in range(2):
                 before = tstore.counters.by_kind["weights"]["nvme"][0]
-                store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", num_mb,
+                store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", num_mb,
                                                            torch.device("cpu")), weights)
                 fn(model, make_microbatches(num_mb, seed=step), checkpoint_interval=1,
                    store=store)
-                store.checkpoints.finish_step()
+                store.inputs.finish_step()
                 opt.step()
                 tstore.synchronize()
                 reads.append(tstore.counters.by_kind["weights"]["nvme"][0] - before)
@@ -205,10 +205,10 @@ def _weights_from_nvme_per_step(model, batches, offload_dir, pinned):
         reads = []
         for mbs in batches:
             before = tstore.counters.by_kind["weights"]["nvme"][0]
-            store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", len(mbs),
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", len(mbs),
                                                        torch.device("cpu")), weights)
             vertical_forward_backward(model, mbs, checkpoint_interval=1, store=store)
-            store.checkpoints.finish_step()
+            store.inputs.finish_step()
             opt.step()
             tstore.synchronize()
             reads.append(tstore.counters.by_kind["weights"]["nvme"][0] - before)

@@ -268,7 +268,7 @@ def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_pa
                                      "--snake-activation-offload-min-bytes", "4096"]))
     assert offloaded == plain
     line = [l for l in capfd.readouterr().out.splitlines() if "iteration        3/" in l][0]
-    for part in ("checkpoints peak (last step) nvme", "saved tensors peak (last step) gpu",
+    for part in ("unit inputs peak (last step) nvme", "saved tensors peak (last step) gpu",
                  "prefetch wait (cumulative)",
                  "other io wait"):
         assert part in line, line

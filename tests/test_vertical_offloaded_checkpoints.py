@@ -10,7 +10,7 @@ import torch
 
 from conftest import build_model, make_microbatches, tiny_args
 from megatron_snake import vertical_forward_backward
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.distributed import set_seed
 
@@ -28,7 +28,7 @@ def test_offloaded_checkpoints_are_bit_identical(megatron_world, tmp_path, tier)
     model.zero_grad(set_to_none=True)
 
     with TensorStore(tmp_path, rank=0, host_memory_limit=256 << 20) as tensor_store:
-        store = OffloadedCheckpoints(tensor_store, tier, len(mbs), megatron_world)
+        store = OffloadedUnitInputs(tensor_store, tier, len(mbs), megatron_world)
         set_seed(11)
         losses = vertical_forward_backward(model, mbs, checkpoint_interval=2, store=store)
         store.finish_step()
@@ -58,7 +58,7 @@ def test_late_checkpoint_reads_count_as_prefetch_wait(megatron_world, tmp_path, 
         run_get = tensor_store._run_get
         monkeypatch.setattr(tensor_store, "_run_get", lambda *a, **kw: time.sleep(0.05) or
                             run_get(*a, **kw))
-        store = OffloadedCheckpoints(tensor_store, "nvme", len(mbs), megatron_world)
+        store = OffloadedUnitInputs(tensor_store, "nvme", len(mbs), megatron_world)
         losses = vertical_forward_backward(model, mbs, checkpoint_interval=1, store=store)
         store.finish_step()
         counters = tensor_store.counters
@@ -76,7 +76,7 @@ def test_snake_groups_read_ahead_only_within_their_group(megatron_world, tmp_pat
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with TensorStore(tmp_path, rank=0, host_memory_limit=256 << 20) as tensor_store:
-        store = OffloadedCheckpoints(tensor_store, "nvme", len(mbs), megatron_world)
+        store = OffloadedUnitInputs(tensor_store, "nvme", len(mbs), megatron_world)
         sweeps, reads = [], []
         begin = store.begin_group
         store.begin_group = lambda group: sweeps.append(list(group)) or begin(group)

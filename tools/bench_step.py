@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not ins
 import torch  # noqa: E402
 
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints  # noqa: E402
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
@@ -72,9 +72,9 @@ def bench_schedule(name, num_mb, a, store_dir, device):
             before = {k: [list(v) for v in t.values()]
                       for k, t in tstore.counters.by_kind.items()}
             start = time.perf_counter()
-            store = CombinedStore(OffloadedCheckpoints(tstore, "nvme", num_mb, device), weights)
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", num_mb, device), weights)
             SCHEDULES[name](model, batches, checkpoint_interval=1, store=store)
-            store.checkpoints.finish_step()
+            store.inputs.finish_step()
             opt.step()
             tstore.synchronize()
             if device.type == "cuda":

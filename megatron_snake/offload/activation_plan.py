@@ -7,7 +7,7 @@ bandwidth is measured through the store, and ``make_plan`` decides, within the G
 (``--snake-gpu-memory-limit`` less the largest unit's working set; unlimited without the
 flag, so nothing is offloaded that need not be) and the host budget, which checkpoints stay
 in memory, which go to host memory and which to NVMe, and at which compute event each read
-back is issued (``PlannedCheckpoints``). The plan is printed and written as JSON; it is made
+back is issued (``PlannedUnitInputs``). The plan is printed and written as JSON; it is made
 again when the checkpoints' shapes or the number of micro-batches change.
 """
 
@@ -18,14 +18,14 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.placement.lifetimes import LifetimeRecorder
 from megatron_snake.placement.plan import make_plan
 
 UNLIMITED = 1 << 62
 
 
-class RecordingCheckpoints(OffloadedCheckpoints):
+class RecordingUnitInputs(OffloadedUnitInputs):
     """All checkpoints to NVMe, recording the timeline and lifetimes as the schedule runs."""
 
     def __init__(self, recorder: LifetimeRecorder, *args, **kwargs):
@@ -41,16 +41,16 @@ class RecordingCheckpoints(OffloadedCheckpoints):
         finally:
             self.recorder.end(name)
 
-    def save_checkpoint(self, unit, microbatch, hidden):
+    def save_input(self, unit, microbatch, hidden):
         self.recorder.produced(self._key(unit, microbatch), hidden.numel() * hidden.element_size())
-        super().save_checkpoint(unit, microbatch, hidden)
+        super().save_input(unit, microbatch, hidden)
 
-    def load_checkpoint(self, unit, microbatch):
+    def load_input(self, unit, microbatch):
         self.recorder.used(self._key(unit, microbatch))
-        return super().load_checkpoint(unit, microbatch)
+        return super().load_input(unit, microbatch)
 
 
-class PlannedCheckpoints(OffloadedCheckpoints):
+class PlannedUnitInputs(OffloadedUnitInputs):
     """Checkpoints placed by ``plan``, each read issued at the start of the compute event the
     plan prefetches it at (its ``prefetch_at``), counted along the profiled timeline
     ``event_names``. No fixed lookahead: a read the plan does not schedule (a checkpoint it
@@ -106,7 +106,7 @@ class ActivationPlanner:
     def step_store(self, num_microbatches: int, *, forward_only: bool = False):
         if forward_only:  # evaluation: a different timeline, not profiled
             tier_of = plan_tier(self.plan) if self.plan else "nvme"
-            return OffloadedCheckpoints(self.store, tier_of, num_microbatches, self.device)
+            return OffloadedUnitInputs(self.store, tier_of, num_microbatches, self.device)
         if self.plan is not None and num_microbatches != self._microbatches:
             self.log(f"> {num_microbatches} micro-batches instead of {self._microbatches}: "
                      "profiling again for a new activation plan")
@@ -114,9 +114,9 @@ class ActivationPlanner:
             self._shapes = None
         if self.plan is None:
             self._microbatches = num_microbatches
-            return RecordingCheckpoints(self.recorder, self.store, "nvme", num_microbatches,
+            return RecordingUnitInputs(self.recorder, self.store, "nvme", num_microbatches,
                                         self.device)
-        return PlannedCheckpoints(self.plan, self._event_names, self.store, num_microbatches,
+        return PlannedUnitInputs(self.plan, self._event_names, self.store, num_microbatches,
                                   self.device)
 
     def after_step(self, checkpoints) -> None:
@@ -126,7 +126,7 @@ class ActivationPlanner:
             self._restart()
             self._shapes = None
             return
-        if isinstance(checkpoints, RecordingCheckpoints):
+        if isinstance(checkpoints, RecordingUnitInputs):
             if self._shapes is not None and checkpoints.shapes != self._shapes:
                 self._restart()  # shapes changed while profiling: start over next step
                 self._shapes = None

@@ -49,7 +49,7 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
     if inputs and stop == 0:  # the stage is one loss unit: nothing runs before the backward
         for mb in group:      # sweep, which recomputes from what arrived
             with store.compute_event("F", 0, mb):
-                store.save_checkpoint(0, mb, inputs[mb])
+                store.save_input(0, mb, inputs[mb])
     outputs = {}
     for unit in range(stop):
         with record_function(f"snake/acquire u{unit}"):  # named ranges for traces (gpu_trace)
@@ -59,16 +59,16 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
             mb = group[i]
             with store.compute_event("F", unit, mb), record_function(f"snake/F u{unit} mb{mb}"):
                 if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
-                    store.save_checkpoint(0, mb, inputs[mb])
-                hidden = None if units.owns_embedding(unit) else store.load_checkpoint(unit, mb)
+                    store.save_input(0, mb, inputs[mb])
+                hidden = None if units.owns_embedding(unit) else store.load_input(unit, mb)
                 if not forward_only:  # the recompute will replay this unit's dropout
                     rng_states[(unit, mb)] = rng.capture()
                 with torch.no_grad(), units.autocast():
                     out = units.forward_unit(unit, hidden, contexts[mb])
                 if hidden is not None and forward_only:
-                    store.drop_checkpoint(unit, mb)  # no backward will read it
+                    store.drop_input(unit, mb)  # no backward will read it
                 if unit < last:
-                    store.save_checkpoint(unit + 1, mb, out)
+                    store.save_input(unit + 1, mb, out)
                 elif ends_model:
                     loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
                     outputs[mb] = reported_loss(loss, num_tokens)
@@ -106,7 +106,7 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                 ctx = contexts[mb]
                 hidden = None
                 if not units.owns_embedding(unit):
-                    hidden = store.load_checkpoint(unit, mb).detach().requires_grad_(True)
+                    hidden = store.load_input(unit, mb).detach().requires_grad_(True)
                 # The loss unit runs here for the first time: nothing to replay.
                 state = rng_states.pop((unit, mb), None)
                 replay = rng.replay(state) if state is not None else nullcontext()
@@ -123,7 +123,7 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                 del out
                 if hidden is not None:
                     grad_of_output[mb] = hidden.grad
-                    store.drop_checkpoint(unit, mb)
+                    store.drop_input(unit, mb)
         with record_function(f"snake/release u{unit}"):
             store.release_unit(unit, gradients_final=gradients_final)
     return losses, total_tokens, grad_of_output

@@ -19,13 +19,13 @@ class UnitStore:
     """The storage interface of the sweeps (schedule/sweeps.py)."""
 
     # --- unit inputs: a store that keeps none (weights only) need not implement these
-    def save_checkpoint(self, unit: int, microbatch: int, hidden: torch.Tensor) -> None:
+    def save_input(self, unit: int, microbatch: int, hidden: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
 
-    def load_checkpoint(self, unit: int, microbatch: int) -> torch.Tensor:
+    def load_input(self, unit: int, microbatch: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
 
-    def drop_checkpoint(self, unit: int, microbatch: int) -> None:
+    def drop_input(self, unit: int, microbatch: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no unit inputs")
 
     # --- unit weights
@@ -53,42 +53,42 @@ class InMemoryStore(UnitStore):
     """Unit inputs stay on the compute device; weights stay in the model."""
 
     def __init__(self):
-        self._checkpoints: dict[tuple[int, int], torch.Tensor] = {}
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def save_checkpoint(self, unit, microbatch, hidden):
+    def save_input(self, unit, microbatch, hidden):
         key = (unit, microbatch)
-        if key in self._checkpoints:
-            raise KeyError(f"checkpoint for unit {unit}, micro-batch {microbatch} saved twice")
-        self._checkpoints[key] = hidden
+        if key in self._inputs:
+            raise KeyError(f"input of unit {unit}, micro-batch {microbatch} saved twice")
+        self._inputs[key] = hidden
 
-    def load_checkpoint(self, unit, microbatch):
+    def load_input(self, unit, microbatch):
         try:
-            return self._checkpoints[(unit, microbatch)]
+            return self._inputs[(unit, microbatch)]
         except KeyError:
-            raise KeyError(f"no checkpoint for unit {unit}, micro-batch {microbatch}") from None
+            raise KeyError(f"no input of unit {unit}, micro-batch {microbatch}") from None
 
-    def drop_checkpoint(self, unit, microbatch):
-        del self._checkpoints[(unit, microbatch)]
+    def drop_input(self, unit, microbatch):
+        del self._inputs[(unit, microbatch)]
 
 
 class CombinedStore(UnitStore):
     """Unit inputs and their hooks from one store, unit weights from another, and
     optionally an offloader for the tensors autograd saves inside each unit's recompute."""
 
-    def __init__(self, checkpoints: UnitStore, weights: UnitStore, saved=None):
-        self.checkpoints, self.weights, self.saved = checkpoints, weights, saved
+    def __init__(self, inputs: UnitStore, weights: UnitStore, saved=None):
+        self.inputs, self.weights, self.saved = inputs, weights, saved
 
     def saved_tensors(self):
         return self.saved if self.saved is not None else nullcontext()
 
-    def save_checkpoint(self, unit, microbatch, hidden):
-        self.checkpoints.save_checkpoint(unit, microbatch, hidden)
+    def save_input(self, unit, microbatch, hidden):
+        self.inputs.save_input(unit, microbatch, hidden)
 
-    def load_checkpoint(self, unit, microbatch):
-        return self.checkpoints.load_checkpoint(unit, microbatch)
+    def load_input(self, unit, microbatch):
+        return self.inputs.load_input(unit, microbatch)
 
-    def drop_checkpoint(self, unit, microbatch):
-        self.checkpoints.drop_checkpoint(unit, microbatch)
+    def drop_input(self, unit, microbatch):
+        self.inputs.drop_input(unit, microbatch)
 
     def acquire_unit(self, unit, *, next_unit, for_backward):
         self.weights.acquire_unit(unit, next_unit=next_unit, for_backward=for_backward)
@@ -97,7 +97,7 @@ class CombinedStore(UnitStore):
         self.weights.release_unit(unit, gradients_final=gradients_final)
 
     def compute_event(self, sweep, unit, microbatch):
-        return self.checkpoints.compute_event(sweep, unit, microbatch)
+        return self.inputs.compute_event(sweep, unit, microbatch)
 
     def begin_group(self, group):
-        self.checkpoints.begin_group(group)
+        self.inputs.begin_group(group)

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "GROUP_RANK), {hostname}, {rank} and {local_rank}, e.g. "
                         "/nvme/{node}/{local_rank}; default: a new temporary directory")
     g.add_argument("--snake-activation-tier", default="nvme", choices=ACTIVATION_TIERS,
-                   help="where unit checkpoints live between the forward and backward sweeps; "
+                   help="where unit inputs (activation checkpoints) live between the forward and backward sweeps; "
                         "auto: profile, then place each by a lifetime-aware plan")
     g.add_argument("--snake-profile-iters", type=int, default=2,
                    help="iterations profiled before the activation plan is made (auto tier)")

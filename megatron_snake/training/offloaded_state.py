@@ -73,7 +73,7 @@ def offload_dir_for_rank(template: str, rank: int) -> str:
 def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> str:
     """For the log line: bytes read/written per tier since the start (all state, then unit
     checkpoints and saved tensors alone), the last step's peak activation bytes per tier
-    (``{"checkpoints": {tier: bytes}, "saved tensors": {...}}``), and the time callers
+    (``{"unit inputs": {tier: bytes}, "saved tensors": {...}}``), and the time callers
     waited on the store: for prefetched reads that arrived late, and for everything else."""
     if store is None:
         return ""
@@ -81,7 +81,7 @@ def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> s
     parts = [f"{tier} r/w (cumulative) {c.read[tier] / 2**20:.1f}/"
              f"{mib(c.written[tier])}"
              for tier in ("nvme", "host") if c.read[tier] or c.written[tier]]
-    for kind, label in (("activations", "checkpoints"), ("saved_activations", "saved tensors")):
+    for kind, label in (("activations", "unit inputs"), ("saved_activations", "saved tensors")):
         moved = c.by_kind.get(kind)
         if moved:
             parts.append(f"{label} (cumulative) " + ", ".join(
@@ -137,7 +137,7 @@ class OffloadedState:
                 + f" (weights {mib(weights)} on {args.snake_param_tier}, "
                 f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
                 f"weights + moments + gradients {mib((optim + grads))} on "
-                f"{args.snake_optimizer_tier}; unit checkpoints {mib(ckpt)} on "
+                f"{args.snake_optimizer_tier}; unit inputs {mib(ckpt)} on "
                 f"{args.snake_activation_tier}); per step about {mib(read)} read and "
                 f"{mib(written)} written off the device; free space checked: "
                 f"{mib(need)} needed with margin, {mib(free)} free on the "

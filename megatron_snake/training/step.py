@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
 
 from megatron_snake.offload.activation_plan import ActivationPlanner
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader, offloaded_forward_step
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
@@ -32,7 +32,7 @@ from megatron_snake.schedule.vertical import (horizontal_forward_backward,
 class StepResult:
     """What one step function call gives back: the per-micro-batch losses (on the last
     pipeline stage; empty elsewhere), and for the log line the most bytes each kind of
-    offloaded activation held per tier during the step ("checkpoints" for unit inputs,
+    offloaded activation held per tier during the step ("unit inputs",
     "saved tensors"; empty when nothing was offloaded or in evaluation)."""
 
     losses: list
@@ -110,7 +110,7 @@ def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner
 
 def make_forward_backward(args, tensor_store=None, device=None, weights=None,
                           units=None) -> StepFn:
-    """The step function the flags ask for. With ``--snake-offload``, unit checkpoints go
+    """The step function the flags ask for. With ``--snake-offload``, unit inputs go
     to ``--snake-activation-tier`` through ``tensor_store``, unit weights come from
     ``weights`` (an OffloadedUnits) and the unit partition is ``units`` (a GPTUnits made
     once for the run), when given."""
@@ -149,7 +149,7 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None,
         if planner is not None:
             checkpoints = planner.step_store(len(microbatches), forward_only=forward_only)
         elif args.snake_activation_tier != "device":
-            checkpoints = OffloadedCheckpoints(tensor_store, args.snake_activation_tier,
+            checkpoints = OffloadedUnitInputs(tensor_store, args.snake_activation_tier,
                                                len(microbatches), device)
         if saved is not None:
             saved.add_parameters(model.parameters())  # never offload weights as activations
@@ -160,13 +160,13 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None,
                           forward_only=forward_only, store=store, units=units)
         peaks = {}
         if not forward_only:
-            if isinstance(checkpoints, OffloadedCheckpoints):
-                peaks["checkpoints"] = dict(checkpoints.peak)
+            if isinstance(checkpoints, OffloadedUnitInputs):
+                peaks["unit inputs"] = dict(checkpoints.peak)
             if saved is not None:
                 peaks["saved tensors"] = dict(saved.peak)
         if planner is not None and not forward_only:
             planner.after_step(checkpoints)
-        elif isinstance(checkpoints, OffloadedCheckpoints):
+        elif isinstance(checkpoints, OffloadedUnitInputs):
             checkpoints.finish_step()
         return StepResult(losses, peaks)
 

@@ -3,7 +3,7 @@
 The CPU suite (tests/test_vertical_exactness.py, tests/test_vertical_dropout.py,
 tests/test_vertical_offloaded_checkpoints.py) shows the vertical schedule equals
 Megatron-Core's ``forward_backward_no_pipelining`` on the CPU. Here the same comparisons run
-with the model, the micro-batches and the unit checkpoints on DEVICE, where other kernels
+with the model, the micro-batches and the unit inputs on DEVICE, where other kernels
 (cuBLAS, CUDA dropout), the CUDA generator, Megatron's CUDA RNG tracker and the tensor
 store's copy streams are in play:
 
@@ -99,7 +99,7 @@ def _megatron_then(model, mbs, run):
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_fp32_matches_megatron(gpu_world, tmp_path, schedule, variant, checkpoint_interval,
                                num_microbatches, store_kind):
-    from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+    from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
     from megatron_snake.storage.store import TensorStore
     from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 
@@ -116,7 +116,7 @@ def test_fp32_matches_megatron(gpu_world, tmp_path, schedule, variant, checkpoin
     else:
         with TensorStore(tmp_path, rank=0, device=DEVICE,
                          host_memory_limit=256 << 20) as tstore:
-            checkpoints = OffloadedCheckpoints(tstore, store_kind, num_microbatches, DEVICE)
+            checkpoints = OffloadedUnitInputs(tstore, store_kind, num_microbatches, DEVICE)
             store = CombinedStore(checkpoints, InMemoryStore())
             ref_losses, ref_grads, losses, grads = _megatron_then(
                 model, mbs, lambda: fn(model, mbs, checkpoint_interval=checkpoint_interval,
@@ -239,7 +239,7 @@ def test_dropout_vertical_recompute_replays_cuda_masks(gpu_world, tmp_path, stor
     going through NVMe on the store's copy streams."""
     from test_vertical_dropout import _kept_activation_reference
 
-    from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints
+    from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
     from megatron_snake.storage.store import TensorStore
     from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 
@@ -257,7 +257,7 @@ def test_dropout_vertical_recompute_replays_cuda_masks(gpu_world, tmp_path, stor
     else:
         with TensorStore(tmp_path, rank=0, device=DEVICE,
                          host_memory_limit=256 << 20) as tstore:
-            checkpoints = OffloadedCheckpoints(tstore, store_kind, len(mbs), DEVICE)
+            checkpoints = OffloadedUnitInputs(tstore, store_kind, len(mbs), DEVICE)
             set_seed(99)
             losses = vertical_forward_backward(
                 model, mbs, checkpoint_interval=2,

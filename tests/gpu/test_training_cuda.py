@@ -30,7 +30,7 @@ from gpu_helpers import (DEVICE, gpu_world, on_device, rel_err, requires_device,
                          sync)
 from megatron_snake import vertical_forward_backward  # noqa: E402
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
-from megatron_snake.offload.checkpoint_store import OffloadedCheckpoints  # noqa: E402
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.offload.unit_weights import OffloadedUnits  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW  # noqa: E402
@@ -86,10 +86,10 @@ def _snake(model, batches, clip, alpha, tier, offload_dir):
         sched = _scheduler(opt)
         losses = []
         for mbs in batches:
-            store = CombinedStore(OffloadedCheckpoints(tstore, tier, len(mbs), DEVICE), weights)
+            store = CombinedStore(OffloadedUnitInputs(tstore, tier, len(mbs), DEVICE), weights)
             losses.append([float(x) for x in vertical_forward_backward(
                 model, mbs, checkpoint_interval=2, store=store)])
-            store.checkpoints.finish_step()
+            store.inputs.finish_step()
             opt.step()
             sched.step(increment=1)
         offloaded = {n: p.data.numel() for n, p in model.named_parameters()}

@@ -4,7 +4,7 @@ Implements the schedule's ``UnitStore`` interface (megatron_snake/schedule/unit_
 for activations: a checkpoint is written to its tier (``host`` or ``nvme``, or per key by a
 placement plan, which may also keep it in memory) as soon as a unit produces it, and read
 back ahead of use, ``lookahead`` micro-batches ahead in snake order (or, under a plan, at
-the plan's prefetch points: activation_plan.PlannedCheckpoints). The first micro-batch
+the plan's prefetch points: activation_plan.PlannedUnitInputs). The first micro-batch
 into a unit is the one that just left the previous unit; its read is served from memory
 while its write is still in flight (the store forwards it). Unit weights are another store's
 concern (megatron_snake/offload/unit_weights.py).
@@ -20,7 +20,7 @@ from megatron_snake.schedule.unit_store import UnitStore
 KIND = "activations"
 
 
-class OffloadedCheckpoints(UnitStore):
+class OffloadedUnitInputs(UnitStore):
     """``tier`` is "host" or "nvme" for every checkpoint, or a function of the checkpoint's
     key giving "gpu" (stay in memory), "host" or "nvme" (a placement plan)."""
 
@@ -52,7 +52,7 @@ class OffloadedCheckpoints(UnitStore):
             if (unit, mb) not in self._reads and self._key(unit, mb) in self.store:
                 self._reads[(unit, mb)] = self.store.get(self._key(unit, mb), device=self.device)
 
-    def save_checkpoint(self, unit, microbatch, hidden):
+    def save_input(self, unit, microbatch, hidden):
         key = self._key(unit, microbatch)
         tier = self.tier_of(key)
         self.shapes.add((tuple(hidden.shape), hidden.dtype))
@@ -65,7 +65,7 @@ class OffloadedCheckpoints(UnitStore):
             return
         self._writes.append(self.store.put(key, hidden, tier=tier, kind=KIND))
 
-    def load_checkpoint(self, unit, microbatch):
+    def load_input(self, unit, microbatch):
         kept = self._kept.get(self._key(unit, microbatch))
         if kept is not None:
             return kept
@@ -76,7 +76,7 @@ class OffloadedCheckpoints(UnitStore):
         self._read_ahead(unit, after=microbatch)
         return handle.wait(prefetched=prefetched)
 
-    def drop_checkpoint(self, unit, microbatch):
+    def drop_input(self, unit, microbatch):
         key = self._key(unit, microbatch)
         tier, nbytes = self._tier_bytes.pop(key)
         self.live[tier] -= nbytes
