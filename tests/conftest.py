@@ -71,6 +71,33 @@ def torch_adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
                              lr=lr, fused=True)
 
 
+def cosine_scheduler(optimizer, lr: float, weight_decay: float, steps: int):
+    """Megatron's OptimizerParamScheduler as the optimizer tests use it: 2 warm-up steps,
+    cosine decay to lr / 10 over ``steps``, constant weight decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2,
+        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
+
+
+def hold_nvme_writes(store, monkeypatch):
+    """Make ``store``'s NVMe writes wait until the returned event is set, so a put stays in
+    flight (the forwarding tests)."""
+    import threading
+
+    gate = threading.Event()
+    write = store._write_nvme
+
+    def gated_write(*args, **kwargs):
+        assert gate.wait(30), "test gate never opened"
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_write_nvme", gated_write)
+    return gate
+
+
 def gradients(model) -> dict[str, torch.Tensor]:
     """Accumulated gradients by name: ``main_grad`` under Megatron DDP, else ``grad``."""
     grads = {}

@@ -12,10 +12,9 @@ import os
 
 import pytest
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from conftest import (build_model, make_microbatches, megatron_forward_backward, tiny_args,
-                      torch_adamw)
+                      torch_adamw, cosine_scheduler)
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
@@ -29,16 +28,9 @@ from megatron_snake.schedule.unit_store import CombinedStore
 LR, WD, STEPS, M = 5e-3, 0.1, 5, 3
 
 
-def _scheduler(optimizer):
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=2,
-        lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
-        wd_incr_steps=STEPS, wd_incr_style="constant")
-
-
 def _reference(model, batches, clip):
     opt = torch_adamw(model, LR, WD)
-    sched = _scheduler(opt)
+    sched = cosine_scheduler(opt, LR, WD, STEPS)
     losses = []
     for mbs in batches:
         opt.zero_grad(set_to_none=True)
@@ -58,7 +50,7 @@ def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical
                              alpha=alpha)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
                                  dtype=torch.float32)
-        sched = _scheduler(opt)
+        sched = cosine_scheduler(opt, LR, WD, STEPS)
         losses, traffic = [], []
         weight_reads, store_get = [0], tstore.get
 

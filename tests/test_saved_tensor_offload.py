@@ -3,13 +3,13 @@ dedup writes a storage once, forwarding serves a read racing its write, nothing 
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import build_model, gradients, make_microbatches, tiny_args, zero_gradients
+from conftest import (build_model, gradients, hold_nvme_writes, make_microbatches, tiny_args,
+                      zero_gradients)
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader
 from megatron_snake.storage.store import TensorStore
@@ -258,14 +258,7 @@ def test_prefetch_in_reverse_pack_order(store, monkeypatch):
 # ------------------------------------------------------------------ forwarding
 
 def test_read_racing_its_write_is_forwarded(store, monkeypatch):
-    gate = threading.Event()
-    slow_write = store._write_nvme
-
-    def gated_write(*args, **kwargs):
-        assert gate.wait(30), "test gate never opened"
-        return slow_write(*args, **kwargs)
-
-    monkeypatch.setattr(store, "_write_nvme", gated_write)
+    gate = hold_nvme_writes(store, monkeypatch)
     a = torch.randn(64, 64, requires_grad=True)
     off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES)
     try:

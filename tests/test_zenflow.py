@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from conftest import (build_model, expect_flag_error, make_microbatches,
-                      megatron_forward_backward, tiny_args, torch_adamw)
+                      megatron_forward_backward, tiny_args, torch_adamw,
+                      cosine_scheduler)
 from megatron_snake.optim.zenflow import ZenFlowAdamW, ZenFlowSettings
 from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.loop import pretrain
@@ -33,16 +33,9 @@ SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _scheduler(optimizer):
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=2,
-        lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
-        wd_incr_steps=STEPS, wd_incr_style="constant")
-
-
 def _train(model, batches, make_optimizer, before_step=None):
     opt = make_optimizer(model)
-    sched = _scheduler(opt)
+    sched = cosine_scheduler(opt, LR, WD, STEPS)
     for mbs in batches:
         opt.zero_grad(set_to_none=True)
         megatron_forward_backward(model, mbs)

@@ -1,15 +1,16 @@
 """SavedTensorOffloader on the GPU: a small MLP whose saved tensors go to host or nvme and
-back gives bit-identical results, a storage saved twice is written once, a read racing its
-write is served from device memory, and the per-tier accounting returns to zero."""
+back gives bit-identical results, a read racing its write is served from device memory, and
+the per-tier accounting returns to zero. (Dedup and views are device-independent logic:
+tests/test_saved_tensor_offload.py.)"""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import pytest
 import torch
+from conftest import hold_nvme_writes
 from gpu_helpers import DEVICE, requires_device, sync
 
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader
@@ -93,55 +94,13 @@ def test_plain_region_bit_identical(store, tier, dtype):
     assert_all_released(store, off, tier)
 
 
-# ------------------------------------------------------------------ dedup
-
-def test_tensor_saved_twice_is_written_once(store):
-    a = randn(64, 64, requires_grad=True)
-    x = a.exp()                              # not a leaf: offloadable (16 KiB)
-    off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES)
-    with off:
-        y = x * x                            # mul saves x twice
-        z = torch.mul(x, x)                  # and again, by a second op
-    (y.sum() + z.sum()).backward()
-    off.synchronize()
-    assert torch.equal(a.grad, 4 * x.detach() * x.detach())
-    s = off.stats
-    assert (s.offloaded, s.unique_writes, s.dedup_hits) == (4, 1, 3)
-    assert store.counters.written["nvme"] == x.numel() * 4
-    assert_all_released(store, off)
-
-
-def test_views_share_one_record(store):
-    a = randn(64, 128, requires_grad=True)
-    x = a.sin()
-    left, right = x[:, :64], x[:, 64:]       # two views of one storage
-    off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES)
-    with off:
-        y = left * right.t()                 # saves a slice and a transposed slice
-    off.synchronize()                        # backward rebuilds both views from the drive
-    y.sum().backward()
-    xd = x.detach()
-    expected = torch.cat([xd[:, 64:].t(), xd[:, :64].t()], dim=1) * a.detach().cos()
-    assert torch.equal(a.grad, expected)
-    assert (off.stats.offloaded, off.stats.unique_writes, off.stats.dedup_hits) == (2, 1, 1)
-    assert store.counters.written["nvme"] == store.counters.read["nvme"] == x.numel() * 4
-    assert_all_released(store, off)
-
-
 # ------------------------------------------------------------------ forwarding
 
 def test_read_racing_its_write_is_forwarded(tmp_path, monkeypatch):
     # more workers than writes + deletes queued behind them: forwarded reads need one free
     with TensorStore(tmp_path, rank=0, host_memory_limit=64 << 20, device=DEVICE,
                      workers=8) as store:
-        gate = threading.Event()
-        write = store._write_nvme
-
-        def gated_write(*args, **kwargs):
-            assert gate.wait(30), "test gate never opened"
-            return write(*args, **kwargs)
-
-        monkeypatch.setattr(store, "_write_nvme", gated_write)
+        gate = hold_nvme_writes(store, monkeypatch)
         a = randn(64, 64, requires_grad=True)
         off = SavedTensorOffloader(store, "nvme", min_bytes=MIN_BYTES)
         try:

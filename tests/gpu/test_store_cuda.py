@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import hold_nvme_writes
 from gpu_helpers import DEVICE, requires_cuda, requires_device, sync
 
 from megatron_snake.storage.store import TensorStore
@@ -76,14 +76,7 @@ def store(tmp_path):
 @pytest.fixture
 def gated(store, monkeypatch):
     """(store, gate): nvme writes wait for gate.set(), so a put stays in flight."""
-    gate = threading.Event()
-    write = store._write_nvme
-
-    def gated_write(*args, **kwargs):
-        assert gate.wait(30), "test gate never opened"
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(store, "_write_nvme", gated_write)
+    gate = hold_nvme_writes(store, monkeypatch)
     yield store, gate
     gate.set()          # before the store closes (it waits for the write)
 

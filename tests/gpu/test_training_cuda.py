@@ -22,10 +22,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from conftest import (build_model, make_microbatches, megatron_forward_backward,  # noqa: E402
-                      tiny_args, torch_adamw)
+                      tiny_args, torch_adamw, cosine_scheduler)
 from gpu_helpers import (DEVICE, gpu_world, on_device, rel_err, requires_device,  # noqa: E402,F401
                          sync)
 from megatron_snake import vertical_forward_backward  # noqa: E402
@@ -49,17 +48,10 @@ SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _scheduler(optimizer):
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=2,
-        lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
-        wd_incr_steps=STEPS, wd_incr_style="constant")
-
-
 def _reference(model, batches, clip):
     """Megatron-Core's schedule + torch's clip_grad_norm_ + torch's fused AdamW, on DEVICE."""
     opt = torch_adamw(model, LR, WD)
-    sched = _scheduler(opt)
+    sched = cosine_scheduler(opt, LR, WD, STEPS)
     losses = []
     for mbs in batches:
         opt.zero_grad(set_to_none=True)
@@ -83,7 +75,7 @@ def _snake(model, batches, clip, alpha, tier, offload_dir):
                              alpha=alpha, tier=tier)
         weights = OffloadedUnits(params, tstore, opt, device=DEVICE, dtype=torch.float32,
                                  tier=tier)
-        sched = _scheduler(opt)
+        sched = cosine_scheduler(opt, LR, WD, STEPS)
         losses = []
         for mbs in batches:
             store = CombinedStore(OffloadedUnitInputs(tstore, tier, len(mbs), DEVICE), weights)

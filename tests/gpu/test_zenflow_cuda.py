@@ -22,10 +22,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from conftest import (build_model, make_microbatches, megatron_forward_backward,  # noqa: E402
-                      tiny_args, torch_adamw)
+                      tiny_args, torch_adamw, cosine_scheduler)
 from gpu_helpers import (DEVICE, gpu_world, on_device, rel_err, requires_device,  # noqa: E402,F401
                          sync)
 from megatron_snake.optim.zenflow import ZenFlowAdamW, ZenFlowSettings  # noqa: E402
@@ -35,17 +34,10 @@ pytestmark = requires_device
 LR, WD, STEPS, CLIP = 5e-3, 0.1, 6, 0.5
 
 
-def _scheduler(optimizer, steps=STEPS):
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=2,
-        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
-        wd_incr_steps=steps, wd_incr_style="constant")
-
-
 def _train(model, batches, opt, steps=STEPS):
     """Megatron-Core's schedule on DEVICE, ``opt`` stepped as pretrain steps it (with torch's
     clip_grad_norm_ for the reference AdamW; ZenFlow clips itself). Returns the step losses."""
-    sched = _scheduler(opt, steps)
+    sched = cosine_scheduler(opt, LR, WD, steps)
     losses = []
     for mbs in batches:
         opt.zero_grad(set_to_none=True)
@@ -137,7 +129,7 @@ def test_approximate_mode_trains_on_device(gpu_world):
     mbs = on_device(make_microbatches(2, seed=3))
     opt = _zenflow(model, topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True)
     steps, ages, selections = 12, [], {}
-    sched = _scheduler(opt, steps)
+    sched = cosine_scheduler(opt, LR, WD, steps)
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
