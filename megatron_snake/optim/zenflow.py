@@ -166,7 +166,6 @@ class ZenFlowAdamW(HostAdamW):
         self._pending: Future | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-adamw")
         self.traffic = Traffic()
-        self._coef_value = None    # this step's clip coefficient as a number (host adds)
 
     # --- the interface the loop drives ------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -176,7 +175,7 @@ class ZenFlowAdamW(HostAdamW):
     @torch.no_grad()
     def step(self):
         grads = [p.grad() for p in self.params]
-        norm, coef, self._coef_value = self._clip(grads)
+        norm, coef, coef_value = self._clip(grads)
         self.iteration += 1
         if self.iteration <= self.settings.full_warmup_steps:
             self._exact_host_step(grads, coef)
@@ -186,7 +185,7 @@ class ZenFlowAdamW(HostAdamW):
             self._land()  # a selection moves state: nothing may be in flight
             self._select(grads)
         self._device_step(grads, coef)
-        self._accumulate(grads, coef)
+        self._accumulate(grads, coef_value)
         self.window += 1
         if self.window == self.settings.update_interval:
             self._land()  # overlap: the update started one window ago
@@ -293,7 +292,7 @@ class ZenFlowAdamW(HostAdamW):
             self._adamw(p, p.dev, gi, self.iteration)
             p.working.index_copy_(1, p.idx, p.dev["master"].to(p.param.dtype))
 
-    def _accumulate(self, grads, coef) -> None:
+    def _accumulate(self, grads, coef_value) -> None:
         """The other columns' gradients leave the device now: gathered on the compute
         stream, copied into pinned memory on a side stream; the worker adds them to the
         window's sum, in order, once the copies are done, so the device waits for neither."""
@@ -319,7 +318,7 @@ class ZenFlowAdamW(HostAdamW):
             if self.pin:
                 done = torch.cuda.Event(blocking=True)  # the worker waits without spinning
                 done.record()
-        self._worker.submit(self._add, moved, done, self._coef_value)
+        self._worker.submit(self._add, moved, done, coef_value)
 
     @staticmethod
     def _add(moved, done, scale) -> None:

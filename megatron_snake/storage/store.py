@@ -201,6 +201,16 @@ def _run_copy(stream, copy):
     return out
 
 
+def _copy(stream, pairs):
+    """dst <- src, bit for bit, for every (dst, src) of ``pairs``: where a GPU tensor is
+    involved, all queued on ``stream`` and then waited for once; plain copies otherwise."""
+    if any(dst.is_cuda or src.is_cuda for dst, src in pairs):
+        _run_copy(stream, lambda: [_bitcopy(dst, src, non_blocking=True) for dst, src in pairs])
+    else:
+        for dst, src in pairs:
+            _bitcopy(dst, src)
+
+
 def _wait_for(stream, event):
     """Order ``stream``'s later work after ``event``; with no copy stream, block the host."""
     if event is None:
@@ -469,10 +479,7 @@ class TensorStore:
         """Fill ``result`` (out, or the converted dtype) from dst on the copy stream: it is
         complete when this worker returns, whichever stream the caller is on."""
         if result is not dst:
-            if result.is_cuda or dst.is_cuda:
-                _run_copy(self._h2d, lambda: _bitcopy(result, dst, non_blocking=True))
-            else:
-                _bitcopy(result, dst)
+            _copy(self._h2d, [(result, dst)])
         return result
 
     def _wait_prev(self, prev):
@@ -489,21 +496,6 @@ class TensorStore:
     def _payload(buf, n):
         """The first n payload bytes of a host buffer (after its record header)."""
         return buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + n]
-
-    def _to_buffer(self, buf, src_bytes, a, b):
-        """src_bytes[a:b] -> buf payload. src_bytes is a uint8 view on any device."""
-        dst = self._payload(buf, b - a)
-        if src_bytes.is_cuda:
-            _run_copy(self._d2h, lambda: dst.copy_(src_bytes[a:b], non_blocking=True))
-        else:
-            dst.copy_(src_bytes[a:b])
-
-    def _from_buffer(self, buf, dst_bytes, a, b):
-        src = self._payload(buf, b - a)
-        if dst_bytes.is_cuda:
-            _run_copy(self._h2d, lambda: dst_bytes[a:b].copy_(src, non_blocking=True))
-        else:
-            dst_bytes[a:b].copy_(src)
 
     def _contiguous_source(self, tensor, ready):
         if ready is not None:
@@ -530,13 +522,8 @@ class TensorStore:
         segs = self._segments(e.nbytes)
         bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
         try:
-            if src_bytes.is_cuda:  # every segment's copy queued, one wait for them all
-                _run_copy(self._d2h, lambda: [
-                    self._payload(buf, b - a).copy_(src_bytes[a:b], non_blocking=True)
-                    for buf, (_, a, b) in zip(bufs, segs)])
-            else:
-                for buf, (_, a, b) in zip(bufs, segs):
-                    self._to_buffer(buf, src_bytes, a, b)
+            _copy(self._d2h, [(self._payload(buf, b - a), src_bytes[a:b])
+                              for buf, (_, a, b) in zip(bufs, segs)])
         except BaseException:
             self.pool.release(bufs, resident=True)
             raise
@@ -562,7 +549,7 @@ class TensorStore:
                         self._seal(e, buf, seg, n)
                 else:
                     buf = loose = self._staging(pending)
-                    self._to_buffer(buf, src_bytes, a, b)
+                    _copy(self._d2h, [(self._payload(buf, n), src_bytes[a:b])])
                     self._seal(e, buf, seg, n)
                 off, length = f.allocate(REC_HEADER_BYTES + n)
                 extents.append((off, length))
@@ -694,7 +681,7 @@ class TensorStore:
                 verify_record(target.addr, self.run_id, e.khash, e.seq, seg, b - a,
                               self.checksum, e.key, f.path)
                 if hbuf is None:
-                    self._from_buffer(buf, dst_bytes, a, b)
+                    _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))])
             finally:
                 self.counters.inflight(-1)
                 if buf is not None:
@@ -733,22 +720,13 @@ class TensorStore:
         if e.nbytes == 0:
             return
         if e.gpu is not None:
-            if dst.is_cuda or e.gpu.is_cuda:
-                _run_copy(self._h2d, lambda: _bitcopy(dst, e.gpu, non_blocking=True))
-            else:
-                _bitcopy(dst, e.gpu)
+            _copy(self._h2d, [(dst, e.gpu)])
             self.counters.add("gpu", nread=e.nbytes, kind=e.kind)
             return
         dst_bytes = _as_bytes(dst)
         if e.host is not None:
-            segs = self._segments(e.nbytes)
-            if dst_bytes.is_cuda:  # every segment's copy queued, one wait for them all
-                _run_copy(self._h2d, lambda: [
-                    dst_bytes[a:b].copy_(self._payload(buf, b - a), non_blocking=True)
-                    for buf, (_, a, b) in zip(e.host, segs)])
-            else:
-                for buf, (_, a, b) in zip(e.host, segs):
-                    self._from_buffer(buf, dst_bytes, a, b)
+            _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))
+                              for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))])
             self.counters.add("host", nread=e.nbytes, kind=e.kind)
             return
         if e.nvme is not None and e.gds:
@@ -758,7 +736,7 @@ class TensorStore:
                 with _on(self._h2d):
                     tmp = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
                 self._read_nvme_gds(e, tmp)
-                _run_copy(self._h2d, lambda: dst_bytes.copy_(tmp))
+                _copy(self._h2d, [(dst_bytes, tmp)])
             return
         if e.nvme is not None:
             self._read_nvme(e, dst_bytes=dst_bytes)
@@ -804,12 +782,9 @@ class TensorStore:
             e.source = e.ready = None
 
     def _run_forward(self, source, ready, free, dst, result):
-        if dst.is_cuda or source.is_cuda:
-            for ev in (ready, free):
-                _wait_for(self._h2d, ev)
-            _run_copy(self._h2d, lambda: _bitcopy(dst, source, non_blocking=True))
-        else:
-            _bitcopy(dst, source)
+        for ev in (ready, free):      # events exist only where a GPU tensor is involved
+            _wait_for(self._h2d, ev)
+        _copy(self._h2d, [(dst, source)])
         return self._finish(dst, result)
 
     def _run_get(self, e, prev, free, dst, result):
