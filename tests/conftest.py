@@ -82,6 +82,24 @@ def cosine_scheduler(optimizer, lr: float, weight_decay: float, steps: int):
         end_wd=weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
 
 
+def reference_training(model, batches, *, clip: float, lr: float, weight_decay: float,
+                       steps: int) -> list:
+    """What the offloaded optimizer is held to: per step, Megatron-Core's schedule, torch's
+    clip_grad_norm_ (when ``clip``), torch's fused AdamW under Megatron's scheduler. Returns
+    each step's per-micro-batch losses."""
+    opt = torch_adamw(model, lr, weight_decay)
+    sched = cosine_scheduler(opt, lr, weight_decay, steps)
+    losses = []
+    for mbs in batches:
+        opt.zero_grad(set_to_none=True)
+        losses.append(megatron_forward_backward(model, mbs))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step(increment=1)
+    return losses
+
+
 def hold_nvme_writes(store, monkeypatch):
     """Make ``store``'s NVMe writes wait until the returned event is set, so a put stays in
     flight (the forwarding tests)."""

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from conftest import (build_model, make_microbatches, megatron_forward_backward, tiny_args,
-                      torch_adamw, cosine_scheduler)
+from conftest import (build_model, cosine_scheduler, make_microbatches, reference_training,
+                      tiny_args)
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
@@ -29,17 +29,7 @@ LR, WD, STEPS, M = 5e-3, 0.1, 5, 3
 
 
 def _reference(model, batches, clip):
-    opt = torch_adamw(model, LR, WD)
-    sched = cosine_scheduler(opt, LR, WD, STEPS)
-    losses = []
-    for mbs in batches:
-        opt.zero_grad(set_to_none=True)
-        losses.append(megatron_forward_backward(model, mbs))
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step(increment=1)
-    return losses
+    return reference_training(model, batches, clip=clip, lr=LR, weight_decay=WD, steps=STEPS)
 
 
 def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical_forward_backward):

@@ -23,8 +23,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from conftest import (build_model, make_microbatches, megatron_forward_backward,  # noqa: E402
-                      tiny_args, torch_adamw, cosine_scheduler)
+from conftest import (build_model, cosine_scheduler, make_microbatches,  # noqa: E402
+                      reference_training, tiny_args)
 from gpu_helpers import (DEVICE, gpu_world, on_device, rel_err, requires_device,  # noqa: E402,F401
                          sync)
 from megatron_snake import vertical_forward_backward  # noqa: E402
@@ -50,18 +50,10 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 def _reference(model, batches, clip):
     """Megatron-Core's schedule + torch's clip_grad_norm_ + torch's fused AdamW, on DEVICE."""
-    opt = torch_adamw(model, LR, WD)
-    sched = cosine_scheduler(opt, LR, WD, STEPS)
-    losses = []
-    for mbs in batches:
-        opt.zero_grad(set_to_none=True)
-        losses.append([float(x) for x in megatron_forward_backward(model, mbs)])
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step(increment=1)
+    losses = reference_training(model, batches, clip=clip, lr=LR, weight_decay=WD,
+                                steps=STEPS)
     sync()
-    return losses
+    return [[float(x) for x in step] for step in losses]
 
 
 def _snake(model, batches, clip, alpha, tier, offload_dir):
