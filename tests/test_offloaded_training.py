@@ -240,12 +240,15 @@ def test_memory_limit_pins_units_and_auto_tiers_pick_host(megatron_world, tmp_pa
     assert "pinned on the device: units [0, 1, 2]" in out, out
     auto = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto"])
     assert pretrain(auto) == plain
-    assert (auto.snake_param_tier, auto.snake_optimizer_tier) == ("host", "host")
+    out = capfd.readouterr().out
+    assert "(weights 0.1 MiB on host, " in out and "gradients 0.8 MiB on host;" in out, out
+    # the flags keep what the user gave: the resolved tiers are the state's, not args'
+    assert (auto.snake_param_tier, auto.snake_optimizer_tier) == ("auto", "auto")
     tiny = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto",
                        "--snake-host-memory-limit", "64MiB"])
-    from megatron_snake.training.offloaded_state import resolve_state_tiers
-    resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20)
-    assert (tiny.snake_param_tier, tiny.snake_optimizer_tier) == ("host", "nvme")
+    from megatron_snake.training.offloaded_state import StateTiers, resolve_state_tiers
+    assert resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20) == \
+        StateTiers(params="host", optimizer="nvme")
 
 
 def test_snake_groups_keep_one_unit_gradient_on_the_device(megatron_world, tmp_path):

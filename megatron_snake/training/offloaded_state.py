@@ -104,6 +104,7 @@ class OffloadedState:
     units: GPTUnits            # the unit partition, made once for the run
     weights: OffloadedUnits
     optimizer: OffloadedAdamW
+    tiers: StateTiers          # where weights and optimizer state went (auto resolved)
     capacity: tuple = (0, 0)   # (bytes needed, bytes free) on the offload drive, checked
 
     def summary(self, args) -> str:
@@ -116,8 +117,8 @@ class OffloadedState:
         grads = optim // 3  # fp32, one value per parameter, held between backward and update
         ckpt = checkpoint_bytes_per_step(args)
         per_tier = {"gpu": pinned, "host": 0, "nvme": 0}
-        per_tier[args.snake_param_tier] += weights - pinned
-        per_tier[args.snake_optimizer_tier] += optim + grads
+        per_tier[self.tiers.params] += weights - pinned
+        per_tier[self.tiers.optimizer] += optim + grads
         ckpt_tier = {"device": "gpu", "auto": None}.get(args.snake_activation_tier,
                                                         args.snake_activation_tier)
         if ckpt_tier is not None:
@@ -134,28 +135,39 @@ class OffloadedState:
         need, free = self.capacity
         return ("> offloaded state per tier: "
                 + ", ".join(f"{t} {mib(n)}" for t, n in per_tier.items())
-                + f" (weights {mib(weights)} on {args.snake_param_tier}, "
+                + f" (weights {mib(weights)} on {self.tiers.params}, "
                 f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
                 f"weights + moments + gradients {mib((optim + grads))} on "
-                f"{args.snake_optimizer_tier}; unit inputs {mib(ckpt)} on "
+                f"{self.tiers.optimizer}; unit inputs {mib(ckpt)} on "
                 f"{args.snake_activation_tier}); per step about {mib(read)} read and "
                 f"{mib(written)} written off the device; free space checked: "
                 f"{mib(need)} needed with margin, {mib(free)} free on the "
                 "offload drive")
 
 
-def resolve_state_tiers(args, weights_bytes: int, optimizer_bytes: int) -> None:
+@dataclass(frozen=True)
+class StateTiers:
+    """Where the unit weights and the optimizer state (master weights, moments, fp32
+    gradients) live: ``host`` or ``nvme``, ``auto`` resolved."""
+
+    params: str
+    optimizer: str
+
+
+def resolve_state_tiers(args, weights_bytes: int, optimizer_bytes: int) -> StateTiers:
     """``--snake-param-tier``/``--snake-optimizer-tier auto``: host when a quarter of
     ``--snake-host-memory-limit`` holds it (the rest stays for checkpoints and the I/O
     buffers NVMe transfers go through), weights first (per byte held they move the most:
-    read in both sweeps), else nvme."""
+    read in both sweeps), else nvme. The flags themselves are left as given."""
     room = args.snake_host_memory_limit // 4
-    if args.snake_param_tier == "auto":
-        args.snake_param_tier = "host" if weights_bytes <= room else "nvme"
-    if args.snake_param_tier == "host":
+    params, optimizer = args.snake_param_tier, args.snake_optimizer_tier
+    if params == "auto":
+        params = "host" if weights_bytes <= room else "nvme"
+    if params == "host":
         room -= weights_bytes
-    if args.snake_optimizer_tier == "auto":
-        args.snake_optimizer_tier = "host" if optimizer_bytes <= room else "nvme"
+    if optimizer == "auto":
+        optimizer = "host" if optimizer_bytes <= room else "nvme"
+    return StateTiers(params, optimizer)
 
 
 def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
@@ -181,11 +193,11 @@ def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
     return sorted(pinned)
 
 
-def nvme_bytes(args, weights_bytes: int, optimizer_bytes: int) -> int:
+def nvme_bytes(args, tiers: StateTiers, weights_bytes: int, optimizer_bytes: int) -> int:
     """What the plan places on NVMe: checked against free space before the first step."""
     total = checkpoint_bytes_per_step(args) if args.snake_activation_tier == "nvme" else 0
-    total += weights_bytes if args.snake_param_tier == "nvme" else 0
-    total += optimizer_bytes if args.snake_optimizer_tier == "nvme" else 0
+    total += weights_bytes if tiers.params == "nvme" else 0
+    total += optimizer_bytes if tiers.optimizer == "nvme" else 0
     return total
 
 
@@ -254,21 +266,21 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
     dp_size = DataParallel.from_megatron().size
     numel = -(-sum(lay.numel for lay in params.all_layouts()) // dp_size)  # this rank's share
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    resolve_state_tiers(args, numel * elem, 16 * numel)  # master, moments, grad: 16 B each
+    tiers = resolve_state_tiers(args, numel * elem, 16 * numel)  # master, moments, grad: 16 B
     error, capacity = None, (0, 0)
     try:
-        capacity = store.check_capacity(nvme_bytes(args, numel * elem, 16 * numel))
+        capacity = store.check_capacity(nvme_bytes(args, tiers, numel * elem, 16 * numel))
     except (OSError, ValueError, RuntimeError) as exc:
         error = exc
     distributed.raise_unless_all_ranks_ok(error, "free space check for the offloaded state")
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
-                               tier=args.snake_optimizer_tier, dp=DataParallel.from_megatron(),
+                               tier=tiers.optimizer, dp=DataParallel.from_megatron(),
                                grad_scaler=grad_scaler(args),
                                model_parallel_group=_model_parallel_group(),
                                embedding_group=_embedding_group(gpt))
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=args.snake_param_tier,
+                             tier=tiers.params,
                              pinned=units_to_pin(args, params, dp_size))
-    return OffloadedState(units, weights, optimizer, capacity)
+    return OffloadedState(units, weights, optimizer, tiers, capacity)
