@@ -181,7 +181,7 @@ def test_bad_parallel_flags_fail_naming_the_flag(monkeypatch, capsys, world, fla
                                                            (6, 3, 1), (32, 4, 2)])
 def test_default_group_size_keeps_at_least_4_groups_per_extra_stage(micro_batches, stages,
                                                                     expected):
-    from megatron_snake.training.arguments import default_group_size
+    from megatron_snake.schedule.pipeline import default_group_size
 
     assert default_group_size(micro_batches, stages) == expected
 

@@ -112,6 +112,39 @@ def test_bad_flags_fail_naming_the_flag(capsys, flags, flag_named):
     expect_flag_error(capsys, flags, flag_named)
 
 
+def _component_error(rule, *values) -> str:
+    with pytest.raises(ValueError) as exc:
+        rule(*values)
+    return str(exc.value)
+
+
+def test_a_flag_rule_has_one_source(capsys):
+    """The command line refuses a bad value with the component's own message: the rule is
+    written once, beside the component, and the flag check calls it."""
+    from megatron_snake.models.gpt_units import check_checkpoint_interval
+    from megatron_snake.optim.offloaded_adamw import check_alpha
+    from megatron_snake.optim.zenflow import ZenFlowSettings
+    from megatron_snake.schedule.pipeline import snake_groups
+    from megatron_snake.training.distributed import data_parallel_size
+    from megatron_snake.training.tokenizer import build_tokenizer
+
+    cases = [
+        (["--snake-checkpoint-interval", "0"], check_checkpoint_interval, 0),
+        (["--snake-offload", "--snake-alpha", "0.7"], check_alpha, 0.7),
+        (["--snake-offload", "--snake-group-size", "3"], snake_groups, 4, 3),
+        (["--tensor-model-parallel-size", "2"], data_parallel_size, 1, 2, 1),
+        (["--tokenizer-type", "NullTokenizer"], build_tokenizer, "NullTokenizer", None),
+        (["--snake-zenflow", "--snake-zenflow-topk-ratio", "0"],
+         lambda: ZenFlowSettings(topk_ratio=0.0)),
+        (["--snake-zenflow", "--snake-zenflow-update-interval", "200"],
+         lambda: ZenFlowSettings(update_interval=200)),
+    ]
+    for flags, rule, *values in cases:
+        message = _component_error(rule, *values)
+        assert message.startswith("--"), message  # names its flag
+        assert message in expect_flag_error(capsys, flags, flags[-2])
+
+
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
 def test_half_precision_snake_matches_megatron(megatron_world, precision):
     """bf16 / fp16 working weights (Float16Module), fp32 gradient accumulation and fp32

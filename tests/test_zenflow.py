@@ -62,9 +62,9 @@ def _zenflow(**settings):
 
 
 @pytest.mark.parametrize("settings", [
-    dict(topk_ratio=1.0, update_interval=2, select_interval=2, overlap=True),
-    dict(topk_ratio=0.25, update_interval=1, select_interval=2, overlap=False),
-    dict(topk_ratio=0.25, update_interval=1, select_interval=3, overlap=False,
+    dict(topk_ratio=1.0, update_interval=2, select_interval=2, overlap_step=True),
+    dict(topk_ratio=0.25, update_interval=1, select_interval=2, overlap_step=False),
+    dict(topk_ratio=0.25, update_interval=1, select_interval=3, overlap_step=False,
          full_warmup_steps=2),
 ], ids=["topk-1.0", "update-interval-1", "update-interval-1+warmup"])
 def test_exact_corner_cases_equal_exact_adamw(megatron_world, settings):
@@ -124,7 +124,7 @@ def test_selected_columns_equal_a_plain_reference(megatron_world):
 
     batches = [make_microbatches(2, seed=s) for s in range(10)]
     _train(model, batches, _zenflow(topk_ratio=ratio, update_interval=2, select_interval=4,
-                                    overlap=True), before_step=record)
+                                    overlap_step=True), before_step=record)
     assert sorted(set(checked)) == [1, 5, 9], checked
 
 

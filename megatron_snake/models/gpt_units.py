@@ -32,13 +32,19 @@ class MicroBatchContext:
     rotary_pos_emb: torch.Tensor | None
 
 
+def check_checkpoint_interval(checkpoint_interval) -> None:
+    """``--snake-checkpoint-interval``: layers per unit, an integer >= 1 (the flag check
+    and ``GPTUnits`` both call this)."""
+    if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
+        raise ValueError("--snake-checkpoint-interval must be an integer >= 1 (layers per "
+                         f"unit), got {checkpoint_interval!r}")
+
+
 class GPTUnits:
     """The unit view of one GPTModel (one pipeline stage)."""
 
     def __init__(self, model, checkpoint_interval: int = 1):
-        if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
-            raise ValueError(
-                f"--snake-checkpoint-interval must be an integer >= 1, got {checkpoint_interval!r}")
+        check_checkpoint_interval(checkpoint_interval)
         self.gpt = unwrap_model(model)
         config = self.gpt.config
         if getattr(config, "mtp_num_layers", None):

@@ -43,6 +43,13 @@ def part_bounds(numel: int, alpha: float, dp: DataParallel = DataParallel()):
     return (start, split), (split, end)
 
 
+def check_alpha(alpha: float) -> None:
+    """``--snake-alpha``: the deferred (forward) part of each update, 0 to 0.5 of it (the
+    flag check and ``OffloadedAdamW`` both call this)."""
+    if not 0.0 <= alpha <= 0.5:
+        raise ValueError(f"--snake-alpha must be between 0 and 0.5, got {alpha}")
+
+
 @dataclass(frozen=True)
 class StepHyper:
     """What one step's update of every part uses, fixed when the step's first gradient is
@@ -59,8 +66,7 @@ class OffloadedAdamW(HostAdamW):
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
                  model_parallel_group=None, embedding_group=None):
-        if not 0.0 <= alpha <= 0.5:
-            raise ValueError(f"--snake-alpha must be in [0, 0.5], got {alpha}")
+        check_alpha(alpha)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
         self.beta1, self.beta2, self.eps = beta1, beta2, eps

@@ -19,8 +19,8 @@ a gradient accumulator per parameter, in host memory. What one step does:
 5. The other columns: this step's (clipped) gradient goes to the host accumulator. After
    ``update_interval`` steps (a *window*) the CPU applies AdamW once with the window's mean
    gradient, at the lr the scheduler set for the window's last step (ZenFlow applies the
-   accumulated gradient once, with the current lr). Without ``overlap`` the update runs at
-   once and the weights are refreshed before the next forward; with ``overlap`` it runs on
+   accumulated gradient once, with the current lr). Without ``overlap_step`` the update runs at
+   once and the weights are refreshed before the next forward; with ``overlap_step`` it runs on
    a worker thread during the next window's compute and *lands* (the device working weights
    of those columns are refreshed) at the end of the next window, right before the next
    CPU update starts: the compute never waits unless the CPU is slower than a window.
@@ -30,10 +30,10 @@ reproducible and data-parallel ranks (which hold identical replicated state and 
 all-reduced gradients) stay identical.
 
 Approximations, all ZenFlow's: unimportant columns move once per window with a mean
-gradient (and, with ``overlap``, see weights up to two windows old); moments keep their
+gradient (and, with ``overlap_step``, see weights up to two windows old); moments keep their
 values when a column changes sides, but the bias correction uses the side's step count
 (device: every step; host: one per CPU update, warm-up steps included).
-With ``topk_ratio`` 1.0, or ``update_interval`` 1 without ``overlap``, every element gets
+With ``topk_ratio`` 1.0, or ``update_interval`` 1 without ``overlap_step``, every element gets
 exactly AdamW's update every step (the same fused kernel on the same values).
 
 On a GPU the device's share of a step is the norm, the important columns' update, one
@@ -58,13 +58,16 @@ from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow_select import complement, select_columns
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZenFlowSettings:
+    """``--snake-zenflow-<field>``: DeepSpeed's ZenFlow defaults for topk_ratio, fixed
+    intervals where DeepSpeed says "auto". Validates itself; the flag check builds it."""
+
     topk_ratio: float = 0.1
     select_interval: int = 100
     update_interval: int = 4
     full_warmup_steps: int = 0
-    overlap: bool = False
+    overlap_step: bool = False
 
     def __post_init__(self):
         if not 0.0 < self.topk_ratio <= 1.0:
@@ -78,7 +81,8 @@ class ZenFlowSettings:
                              f"be >= --snake-zenflow-update-interval ({self.update_interval}): "
                              "columns are re-selected only between CPU updates")
         if self.full_warmup_steps < 0:
-            raise ValueError("--snake-zenflow-full-warmup-steps must be >= 0")
+            raise ValueError(f"--snake-zenflow-full-warmup-steps must be >= 0, got "
+                             f"{self.full_warmup_steps}")
 
 
 @dataclass
@@ -190,7 +194,7 @@ class ZenFlowAdamW(HostAdamW):
         if self.window == self.settings.update_interval:
             self._land()  # overlap: the update started one window ago
             self._start_cpu_update()
-            if not self.settings.overlap:
+            if not self.settings.overlap_step:
                 self._land()
         return True, norm, None
 
@@ -401,7 +405,7 @@ class ZenFlowAdamW(HostAdamW):
                 f"{s.select_interval} steps) and all 1-D parameters are updated at once on "
                 f"{self.device}; the rest accumulate in host memory and the CPU AdamW applies "
                 f"them every {s.update_interval} steps, "
-                + ("overlapped with the next window's compute" if s.overlap
+                + ("overlapped with the next window's compute" if s.overlap_step
                    else "synchronously")
                 + (f"; the first {s.full_warmup_steps} steps are exact" if s.full_warmup_steps
                    else "")

@@ -45,12 +45,24 @@ def check_microbatches(microbatches) -> None:
 
 
 def snake_groups(num_microbatches: int, group_size: int | None) -> list[list[int]]:
-    """Micro-batch ids cut into consecutive groups of ``group_size`` (default: one group)."""
+    """Micro-batch ids cut into consecutive groups of ``group_size`` (default: one group).
+    The one home of ``--snake-group-size``'s rule: the flag check calls this too."""
     size = num_microbatches if group_size is None else group_size
     if not isinstance(size, int) or size < 1 or num_microbatches % size:
-        raise ValueError(f"--snake-group-size {group_size} must divide the number of "
-                         f"micro-batches per step ({num_microbatches}); pick a divisor")
+        raise ValueError(f"--snake-group-size {group_size} must divide the {num_microbatches} "
+                         "micro-batches per step (--global-batch-size / (--micro-batch-size x "
+                         "data-parallel size)); pick a divisor")
     return [list(range(g, g + size)) for g in range(0, num_microbatches, size)]
+
+
+def default_group_size(num_microbatches: int, num_stages: int) -> int:
+    """M on one stage; else the largest divisor G of M with M/G >= 4(p-1) groups (a bubble
+    of at most about 20%), or 1."""
+    if num_stages == 1:
+        return num_microbatches
+    divisors = [g for g in range(1, num_microbatches + 1) if num_microbatches % g == 0]
+    return max([g for g in divisors if num_microbatches // g >= 4 * (num_stages - 1)],
+               default=1)
 
 
 def warmup_groups(stage: int, num_stages: int, num_groups: int) -> int:

@@ -2,14 +2,29 @@
 
 Model-shape flags default to a tiny GPT so that ``python examples/pretrain_gpt.py
 --snake-offload`` runs a demo on any machine; every default is shown by ``--help``.
+
+Each flag rule lives in one place. A rule about one component's value lives beside that
+component (``check_alpha``, ``check_checkpoint_interval``, ``snake_groups``,
+``ZenFlowSettings``, ``build_tokenizer``, ``data_parallel_size``) and ``validate_args`` calls
+it, so the command line and a direct caller get the same message. Rules about how flags
+combine live here, and only here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
+
+from megatron_snake.models.gpt_units import check_checkpoint_interval
+from megatron_snake.optim.offloaded_adamw import check_alpha
+from megatron_snake.optim.zenflow import ZenFlowSettings
+from megatron_snake.schedule.pipeline import default_group_size, snake_groups
+from megatron_snake.storage.sizes import parse_size
+from megatron_snake.training.distributed import data_parallel_size
+from megatron_snake.training.tokenizer import build_tokenizer
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
 # Flags of the offloaded state: their defaults apply with --snake-offload, and given
@@ -19,9 +34,7 @@ OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier":
 SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
-# DeepSpeed's ZenFlow defaults for topk_ratio; fixed intervals where DeepSpeed says "auto".
-ZENFLOW_DEFAULTS = dict(topk_ratio=0.1, select_interval=100, update_interval=4,
-                        full_warmup_steps=0, overlap_step=False)
+ZENFLOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZenFlowSettings)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train with the vertical (snake) schedule over the tiered store")
     g.add_argument("--snake-checkpoint-interval", type=int, default=1,
                    help="layers per unit: the granularity of weight loading and recompute")
-    g.add_argument("--snake-schedule", default="vertical",
+    g.add_argument("--snake-schedule", default="vertical", choices=SNAKE_SCHEDULES,
                    help="micro-batch order over the store: vertical (unit-major, snake) or "
                         "horizontal (Megatron's micro-batch-major order, weights fetched per "
                         "micro-batch: for ablations)")
@@ -223,14 +236,13 @@ def _fail(parser: argparse.ArgumentParser, flag: str, message: str):
     parser.error(f"{flag}: {message}")
 
 
-def default_group_size(num_microbatches: int, num_stages: int) -> int:
-    """M on one stage; else the largest divisor G of M with M/G >= 4(p-1) groups (a bubble
-    of at most about 20%), or 1."""
-    if num_stages == 1:
-        return num_microbatches
-    divisors = [g for g in range(1, num_microbatches + 1) if num_microbatches % g == 0]
-    return max([g for g in divisors if num_microbatches // g >= 4 * (num_stages - 1)],
-               default=1)
+def _check(parser: argparse.ArgumentParser, rule, *values):
+    """Apply a component's own rule to flag values; its ValueError (which names the flag)
+    becomes the usage error."""
+    try:
+        return rule(*values)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _validate_pipeline(args, parser) -> None:
@@ -246,10 +258,7 @@ def _validate_pipeline(args, parser) -> None:
         if args.snake_schedule == "horizontal":
             _fail(parser, "--snake-group-size", "the horizontal schedule runs micro-batch by "
                   "micro-batch; drop --snake-group-size or use --snake-schedule vertical")
-        if args.snake_group_size < 1 or args.num_microbatches % args.snake_group_size:
-            _fail(parser, "--snake-group-size", f"{args.snake_group_size} must divide the "
-                  f"{args.num_microbatches} micro-batches per step (--global-batch-size / "
-                  "(--micro-batch-size x data-parallel size)); pick a divisor")
+        _check(parser, snake_groups, args.num_microbatches, args.snake_group_size)
     elif args.snake_offload:
         args.snake_group_size = default_group_size(args.num_microbatches, pp)
     if args.snake_offload and args.sequence_parallel:
@@ -276,12 +285,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None):
     """Fill derived defaults and reject inconsistent flags, naming the flag at fault."""
     parser = parser or build_parser()
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world % model_parallel:
-        _fail(parser, "--tensor-model-parallel-size", f"world size {world} is not divisible by "
-              f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}")
-    args.data_parallel_size = world // model_parallel
+    args.data_parallel_size = _check(
+        parser, data_parallel_size, int(os.environ.get("WORLD_SIZE", 1)),
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         _fail(parser, "--sequence-parallel", "needs --tensor-model-parallel-size > 1 "
               "(Megatron would silently drop it); remove the flag or raise TP")
@@ -297,14 +303,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} "
               f"(= {per_step}); choose a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    if args.snake_checkpoint_interval < 1:
-        _fail(parser, "--snake-checkpoint-interval",
-              f"must be >= 1 (layers per unit), got {args.snake_checkpoint_interval}")
-    if args.snake_schedule not in SNAKE_SCHEDULES:
-        _fail(parser, "--snake-schedule", f"unknown value {args.snake_schedule!r}; "
-              f"choose one of {', '.join(SNAKE_SCHEDULES)}")
-    from megatron_snake.storage.sizes import parse_size
-
+    _check(parser, check_checkpoint_interval, args.snake_checkpoint_interval)
     for flag in ("--snake-host-memory-limit", "--snake-gpu-memory-limit"):
         attr = flag[2:].replace("-", "_")
         if getattr(args, attr) is not None:
@@ -333,8 +332,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         if args.snake_offload and getattr(args, attr) is None:
             setattr(args, attr, default)
     _validate_io_engine(args, parser)
-    if args.snake_offload and not 0.0 <= args.snake_alpha <= 0.5:
-        _fail(parser, "--snake-alpha", f"must be between 0 and 0.5, got {args.snake_alpha}")
+    if args.snake_offload:
+        _check(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)
     if args.bf16 and args.fp16:
         _fail(parser, "--bf16", "--bf16 and --fp16 are mutually exclusive")
@@ -378,8 +377,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         args.mock_data = False
     else:
         args.mock_data = True
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        _fail(parser, "--vocab-size", "NullTokenizer needs --vocab-size")
+    _check(parser, build_tokenizer, args.tokenizer_type, args.vocab_size)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
     return args
@@ -401,15 +399,14 @@ def _validate_io_engine(args: argparse.Namespace, parser: argparse.ArgumentParse
 
 
 def _validate_zenflow(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """ZenFlow's knobs need --snake-zenflow (a knob is never silently ignored); fill their
-    defaults; refuse what ZenFlow mode does not combine with."""
-    for key, default in ZENFLOW_DEFAULTS.items():
-        attr = f"snake_zenflow_{key}"
-        if getattr(args, attr) is not None and not args.snake_zenflow:
-            _fail(parser, "--" + attr.replace("_", "-"), "needs --snake-zenflow")
-        if getattr(args, attr) is None:
-            setattr(args, attr, default)
+    """ZenFlow's knobs need --snake-zenflow (a knob is never silently ignored) and build
+    ``args.zenflow``, which checks their values; refuse what ZenFlow does not combine with."""
+    given = {key: getattr(args, f"snake_zenflow_{key}") for key in ZENFLOW_DEFAULTS}
+    given = {key: value for key, value in given.items() if value is not None}
+    args.zenflow = None
     if not args.snake_zenflow:
+        for key in given:
+            _fail(parser, "--snake-zenflow-" + key.replace("_", "-"), "needs --snake-zenflow")
         return
     if args.snake_offload:
         _fail(parser, "--snake-zenflow", "cannot be combined with --snake-offload: ZenFlow "
@@ -420,17 +417,4 @@ def _validate_zenflow(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
         _fail(parser, "--tensor-model-parallel-size", "--snake-zenflow supports data "
               "parallelism only (tensor and pipeline parallel size 1)")
-    if not 0.0 < args.snake_zenflow_topk_ratio <= 1.0:
-        _fail(parser, "--snake-zenflow-topk-ratio",
-              f"must be in (0, 1], got {args.snake_zenflow_topk_ratio}")
-    if args.snake_zenflow_update_interval < 1:
-        _fail(parser, "--snake-zenflow-update-interval",
-              f"must be >= 1, got {args.snake_zenflow_update_interval}")
-    if args.snake_zenflow_select_interval < args.snake_zenflow_update_interval:
-        _fail(parser, "--snake-zenflow-select-interval",
-              f"{args.snake_zenflow_select_interval} is below --snake-zenflow-update-interval "
-              f"{args.snake_zenflow_update_interval}: columns are re-selected only between "
-              "CPU updates")
-    if args.snake_zenflow_full_warmup_steps < 0:
-        _fail(parser, "--snake-zenflow-full-warmup-steps",
-              f"must be >= 0, got {args.snake_zenflow_full_warmup_steps}")
+    args.zenflow = _check(parser, lambda: ZenFlowSettings(**given))

@@ -43,6 +43,18 @@ def local_rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def data_parallel_size(world_size: int, tensor_model_parallel_size: int,
+                       pipeline_model_parallel_size: int) -> int:
+    """Ranks per model replica: the world must split into whole TP x PP replicas."""
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if model_parallel < 1 or world_size % model_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {pipeline_model_parallel_size} must divide the "
+            f"world size {world_size} (the ranks torchrun starts)")
+    return world_size // model_parallel
+
+
 def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
                pipeline_model_parallel_size: int = 1, seed: int = 1234,
                timeout_minutes: float = 10) -> None:
@@ -61,12 +73,8 @@ def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
-        world = dist.get_world_size()
-        if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
-            raise ValueError(
-                f"world size {world} is not divisible by --tensor-model-parallel-size "
-                f"{tensor_model_parallel_size} x --pipeline-model-parallel-size "
-                f"{pipeline_model_parallel_size}")
+        data_parallel_size(dist.get_world_size(), tensor_model_parallel_size,
+                           pipeline_model_parallel_size)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size)

@@ -45,17 +45,12 @@ def build_zenflow_optimizer(args: argparse.Namespace, model):
     accumulates and all-reduces their gradients in ``main_grad``) and the LR schedule."""
     from megatron_snake.models.gpt_units import unwrap_model
     from megatron_snake.optim.dp_shards import DataParallel
-    from megatron_snake.optim.zenflow import ZenFlowAdamW, ZenFlowSettings
+    from megatron_snake.optim.zenflow import ZenFlowAdamW
 
-    settings = ZenFlowSettings(topk_ratio=args.snake_zenflow_topk_ratio,
-                               select_interval=args.snake_zenflow_select_interval,
-                               update_interval=args.snake_zenflow_update_interval,
-                               full_warmup_steps=args.snake_zenflow_full_warmup_steps,
-                               overlap=args.snake_zenflow_overlap_step)
     optimizer = ZenFlowAdamW(unwrap_model(model).named_parameters(), lr=args.lr,
                              weight_decay=args.weight_decay, beta1=args.adam_beta1,
                              beta2=args.adam_beta2, eps=args.adam_eps,
-                             clip_grad=args.clip_grad, settings=settings,
+                             clip_grad=args.clip_grad, settings=args.zenflow,
                              dp=DataParallel.from_megatron())
     return optimizer, build_scheduler(args, optimizer)
 

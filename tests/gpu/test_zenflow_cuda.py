@@ -74,9 +74,9 @@ def _check_placement(opt):
 
 
 @pytest.mark.parametrize("settings,tol", [
-    (dict(topk_ratio=1.0, update_interval=2, select_interval=2, overlap=True), 1e-6),
-    (dict(topk_ratio=0.25, update_interval=1, select_interval=2, overlap=False), 1e-5),
-    (dict(topk_ratio=0.25, update_interval=1, select_interval=3, overlap=False,
+    (dict(topk_ratio=1.0, update_interval=2, select_interval=2, overlap_step=True), 1e-6),
+    (dict(topk_ratio=0.25, update_interval=1, select_interval=2, overlap_step=False), 1e-5),
+    (dict(topk_ratio=0.25, update_interval=1, select_interval=3, overlap_step=False,
           full_warmup_steps=2), 1e-5),
 ], ids=["topk-1.0", "update-interval-1", "update-interval-1+warmup"])
 def test_exact_corner_cases_equal_exact_adamw_on_device(gpu_world, settings, tol):
@@ -127,7 +127,7 @@ def test_approximate_mode_trains_on_device(gpu_world):
     model = build_model(args, DEVICE)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     mbs = on_device(make_microbatches(2, seed=3))
-    opt = _zenflow(model, topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True)
+    opt = _zenflow(model, topk_ratio=0.25, update_interval=2, select_interval=4, overlap_step=True)
     steps, ages, selections = 12, [], {}
     sched = cosine_scheduler(opt, LR, WD, steps)
     losses = []
