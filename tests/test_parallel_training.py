@@ -43,17 +43,17 @@ def _pretrain_main(rank, world, port, root, parallel, snake_flags):
     flags = [*FLAGS, *parallel, "--train-iters", "3"]
     megatron = pretrain(parse_args(flags))
     files = {}
-    real_train = loop.train
+    real_train = loop.Trainer.train
 
-    def train_then_list_files(run, *rest):  # the store removes its files when it closes
-        out = real_train(run, *rest)
-        store = run.tensor_store
+    def train_then_list_files(trainer):  # the store removes its files when it closes
+        out = real_train(trainer)
+        store = trainer.run.tensor_store
         files["dir"] = store.dir.path
         files["paths"] = sorted({path for key in store.keys()
                                  for path, _, _ in store.location(key)})
         return out
 
-    loop.train = train_then_list_files
+    loop.Trainer.train = train_then_list_files
     snake = pretrain(parse_args([*flags, "--snake-offload", "--snake-offload-dir",
                                  os.path.join(root, "{rank}"), "--save",
                                  os.path.join(root, "ckpt"), *snake_flags]))

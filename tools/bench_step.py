@@ -45,7 +45,6 @@ from megatron_snake.optim.unit_params import UnitParams  # noqa: E402
 from megatron_snake.schedule.unit_store import CombinedStore  # noqa: E402
 from megatron_snake.schedule.vertical import (  # noqa: E402
     horizontal_forward_backward, vertical_forward_backward)
-from megatron_snake.models.gpt_units import unwrap_model  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
@@ -135,61 +134,33 @@ def layers_for_state(a, device_budget: int) -> int:
     return max(1, -(-int(a.gpu_state_ratio * device_budget) // (18 * per_layer)))
 
 
-def train_tokens_per_s(args, device, *, offload: bool, store_dir: str, steps: int,
-                       warmup: int, vocab: int = 32768) -> dict:
-    """Train ``args``' GPT for warmup + steps on random tokens: tokens/s over the last
-    ``steps``, peak device memory, and (offload) the optimizer's update and wait seconds."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_snake.training import offloaded_state as offload_setup
-    from megatron_snake.training.model import wrap_ddp
-    from megatron_snake.training.optimizer import build_optimizer
-    from megatron_snake.training.step import make_forward_backward
+def train_tokens_per_s(args, device, *, steps: int, warmup: int, vocab: int = 32768) -> dict:
+    """Train the run ``args`` describe (built as pretrain_gpt builds it) for warmup + steps
+    on random tokens: tokens/s over the last ``steps``, peak device memory, and (offload)
+    the fraction of the optimizer's update time hidden behind compute."""
+    from megatron_snake.training.build import build_run
 
     cuda = device.type == "cuda"   # the CPU runs it too, as a smoke test of this code
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    args.snake_offload, args.snake_offload_dir = offload, store_dir
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    gpt = build_gpt_model(args, vocab, device)
-    gpt = Float16Module(gpt.config, gpt)
-    with offload_setup.open_store(args, device, 0) as tstore:
-        if offload:
-            state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, device)
-            model, opt = gpt, state.optimizer
-            forward_backward = make_forward_backward(args, tstore, device, state.weights,
-                                                     state.units)
-        else:
-            model = wrap_ddp(gpt)
-            opt, _ = build_optimizer(args, model)
-            config = unwrap_model(gpt).config
-            config.no_sync_func, config.finalize_model_grads_func = model.no_sync, \
-                finalize_model_grads
-            config.grad_scale_func = opt.scale_loss
-            forward_backward = make_forward_backward(args)
+    with build_run(args, device, vocab) as run:
+        opt = run.optimizer
         start = update_s = blocked_s = None
         for step in range(warmup + steps):
             if step == warmup:
                 sync()
                 start = time.perf_counter()
                 update_s, blocked_s = getattr(opt, "update_s", 0), getattr(opt, "blocked_s", 0)
-            mbs = random_microbatches(args.num_microbatches, args.micro_batch_size,
-                                      args.seq_length, vocab, seed=step, device=device)
-            if hasattr(model, "zero_grad_buffer"):
-                model.zero_grad_buffer()
-            opt.zero_grad()
-            forward_backward(model, mbs)
-            opt.step()
+            run.step(random_microbatches(args.num_microbatches, args.micro_batch_size,
+                                         args.seq_length, vocab, seed=step, device=device))
         sync()
         elapsed = time.perf_counter() - start
         out = {"tokens_per_s": steps * args.global_batch_size * args.seq_length / elapsed,
                "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0}
-        if offload:
+        if args.snake_offload:
             update = opt.update_s - update_s
             out["hidden_fraction"] = 1.0 - (opt.blocked_s - blocked_s) / max(update, 1e-9)
-            opt.flush()
-            opt.close()
     return out
 
 
@@ -201,17 +172,15 @@ def bench_gpu(a, device, root) -> dict:
     rows = []
     for num_mb in [int(x) for x in a.gpu_micro_batches.split(",")]:
         args = parse_args(gpt_flags(a, layers, num_mb) +
-                          ["--snake-offload", "--snake-alpha", str(a.alpha)] +
-                          a.gpu_snake_flags.split())
+                          ["--snake-offload", "--snake-alpha", str(a.alpha),
+                           "--snake-offload-dir", root] + a.gpu_snake_flags.split())
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(a.gpu_fraction, device)
-        snake = train_tokens_per_s(args, device, offload=True, store_dir=root,
-                                   steps=a.steps, warmup=a.warmup)
+        snake = train_tokens_per_s(args, device, steps=a.steps, warmup=a.warmup)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         ideal = train_tokens_per_s(parse_args(gpt_flags(a, layers, num_mb)), device,
-                                   offload=False, store_dir=root, steps=a.steps,
-                                   warmup=a.warmup)
+                                   steps=a.steps, warmup=a.warmup)
         rows.append({"micro_batches": num_mb, "offloaded": snake, "ideal": ideal})
         print(f"GPU M {num_mb:3d}: offloaded {snake['tokens_per_s']:9.0f} tokens/s (peak "
               f"{snake['peak_bytes'] / 2**30:.1f} GiB of {budget / 2**30:.1f}), ideal "

@@ -130,83 +130,62 @@ def thread_names() -> dict[str, str]:
 def record_step(a, args, device, trace_path: str) -> dict:
     """Build the offloaded run, warm it up, record one step into ``trace_path``. Returns
     what the title and gaps.json say about the run."""
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_snake.models.gpt_units import unwrap_model
-    from megatron_snake.training import offloaded_state as offload_setup
+    from megatron_snake.training.build import build_run
     from megatron_snake.training.data import random_microbatches
-    from megatron_snake.training.model import build_gpt_model
-    from megatron_snake.training.step import make_forward_backward
 
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    gpt = build_gpt_model(args, a.vocab, device)
-    n_params = sum(p.numel() for p in gpt.parameters())
-    if args.bf16 or args.fp16:
-        gpt = Float16Module(gpt.config, gpt)
-    print(f"> {n_params / 1e9:.3f}B parameters, {args.num_microbatches} micro-batches of "
-          f"{args.micro_batch_size} x {args.seq_length}, device {device}", flush=True)
 
     def step(mbs):
-        opt.zero_grad()
-        with torch.profiler.record_function("gpu_trace/forward_backward"):
-            forward_backward(gpt, mbs)
-        with torch.profiler.record_function("gpu_trace/optimizer.step"):
-            opt.step()
+        run.step(mbs)   # annotated snake/forward_backward and snake/optimizer_step
         with torch.profiler.record_function("gpu_trace/synchronize"):
             sync()
 
-    with offload_setup.open_store(args, device, 0) as tstore:
+    t0 = time.perf_counter()
+    with build_run(args, device, a.vocab, log=lambda line: print(line, flush=True)) as run:
+        state, n_params = run.offloaded, run.n_params
+        print(f"> run built in {time.perf_counter() - t0:.1f} s", flush=True)
+        warm = []
+        for i in range(a.warmup + 1):
+            mbs = random_microbatches(args.num_microbatches, args.micro_batch_size,
+                                      args.seq_length, a.vocab, seed=i, device=device)
+            sync()
+            if i < a.warmup:
+                t0 = time.perf_counter()
+                step(mbs)
+                warm.append(time.perf_counter() - t0)
+                print(f"> warm-up step {i}: {warm[-1]:.3f} s", flush=True)
+        config, used = profiler_config(not a.no_all_threads)
+        activities = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities, record_shapes=False,
+                                    with_stack=False, experimental_config=config) as prof:
+            with torch.profiler.record_function(STEP_MARK):
+                t0 = time.perf_counter()
+                step(mbs)
+                step_s = time.perf_counter() - t0
+            info = {"params": n_params, "device": str(device),
+                    "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "layers": args.num_layers, "hidden": args.hidden_size,
+                    "seq": args.seq_length, "micro_batch_size": args.micro_batch_size,
+                    "micro_batches": args.num_microbatches,
+                    "dtype": str(args.params_dtype).replace("torch.", ""),
+                    "tiers": {"param": state.tiers.params,
+                              "optimizer": state.tiers.optimizer,
+                              "activation": args.snake_activation_tier},
+                    "checkpoint_interval": args.snake_checkpoint_interval,
+                    "alpha": args.snake_alpha, "clip_grad": args.clip_grad,
+                    "warmup_step_s": warm, "host_step_s": step_s,
+                    "profiler_options": sorted(used), "threads": thread_names()}
+            try:
+                prof.add_metadata_json("gpu_trace", json.dumps(info))
+            except (AttributeError, RuntimeError):
+                pass   # the analysis falls back to what the trace itself says
+        print(f"> recorded step: {step_s:.3f} s on the host clock", flush=True)
         t0 = time.perf_counter()
-        state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, device)
-        opt = state.optimizer
-        forward_backward = make_forward_backward(args, tstore, device, state.weights, state.units)
-        print(f"> offloaded state built in {time.perf_counter() - t0:.1f} s "
-              f"({tstore.dir.path})", flush=True)
-        try:
-            warm = []
-            for i in range(a.warmup + 1):
-                mbs = random_microbatches(args.num_microbatches, args.micro_batch_size,
-                                          args.seq_length, a.vocab, seed=i, device=device)
-                sync()
-                if i < a.warmup:
-                    t0 = time.perf_counter()
-                    step(mbs)
-                    warm.append(time.perf_counter() - t0)
-                    print(f"> warm-up step {i}: {warm[-1]:.3f} s", flush=True)
-            config, used = profiler_config(not a.no_all_threads)
-            activities = [torch.profiler.ProfilerActivity.CPU] + \
-                ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            with torch.profiler.profile(activities=activities, record_shapes=False,
-                                        with_stack=False, experimental_config=config) as prof:
-                with torch.profiler.record_function(STEP_MARK):
-                    t0 = time.perf_counter()
-                    step(mbs)
-                    step_s = time.perf_counter() - t0
-                info = {"params": n_params, "device": str(device),
-                        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-                        "layers": args.num_layers, "hidden": args.hidden_size,
-                        "seq": args.seq_length, "micro_batch_size": args.micro_batch_size,
-                        "micro_batches": args.num_microbatches,
-                        "dtype": str(args.params_dtype).replace("torch.", ""),
-                        "tiers": {"param": state.tiers.params,
-                                  "optimizer": state.tiers.optimizer,
-                                  "activation": args.snake_activation_tier},
-                        "checkpoint_interval": args.snake_checkpoint_interval,
-                        "alpha": args.snake_alpha, "clip_grad": args.clip_grad,
-                        "warmup_step_s": warm, "host_step_s": step_s,
-                        "profiler_options": sorted(used), "threads": thread_names()}
-                try:
-                    prof.add_metadata_json("gpu_trace", json.dumps(info))
-                except (AttributeError, RuntimeError):
-                    pass   # the analysis falls back to what the trace itself says
-            print(f"> recorded step: {step_s:.3f} s on the host clock", flush=True)
-            t0 = time.perf_counter()
-            prof.export_chrome_trace(trace_path)
-            print(f"> trace written in {time.perf_counter() - t0:.1f} s: {trace_path}",
-                  flush=True)
-        finally:
-            opt.close()   # pending updates are dropped: the run ends here
+        prof.export_chrome_trace(trace_path)
+        print(f"> trace written in {time.perf_counter() - t0:.1f} s: {trace_path}",
+              flush=True)
     return info
 
 

@@ -10,7 +10,7 @@ warning is attributed to the innermost frame of megatron_snake/ or megatron/ on 
 temporary directory) and printed; every site must be in ALLOWED, and the total must stay within
 a bound that grows with the number of units, not with micro-batches x units.
 
-The state is built the way training builds it (tools/bench_step.py's train_tokens_per_s:
+The state is built the way training builds it (training/build.py's build_run:
 open_store, build_offloaded_state, make_forward_backward from pretrain_gpt flags with
 --snake-offload), and the step is the training loop's: forward_backward, optimizer.step(),
 then the logged loss (loop._lm_loss).
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, build_model
+from conftest import VOCAB
 from gpu_helpers import DEVICE, gpu_world, requires_cuda, requires_device, sync  # noqa: F401
 
 pytestmark = requires_device
@@ -148,14 +148,11 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
     """Two warm-up steps, then one step with its synchronizations recorded. Returns the
     recorder, the step's lm loss and the number of units. ``precision``: bf16, or fp16 with
     Megatron's dynamic loss scaler (started low enough that no step overflows)."""
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_snake.models.gpt_units import unwrap_model
     from megatron_snake.training import loop
-    from megatron_snake.training import offloaded_state as offload_setup
     from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.build import build_run
     from megatron_snake.training.data import random_microbatches
-    from megatron_snake.training.step import make_forward_backward
+    from megatron_snake.training.distributed import set_seed
 
     args = parse_args([
         "--num-layers", str(NUM_LAYERS), "--hidden-size", "32", "--num-attention-heads", "4",
@@ -166,34 +163,21 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
         "--snake-offload", "--snake-offload-dir", str(offload_dir),
         "--snake-checkpoint-interval", "1", "--snake-host-memory-limit", "256MiB"])
     assert args.num_microbatches == NUM_MICROBATCHES
-    gpt = build_model(args, DEVICE)
-    gpt = Float16Module(gpt.config, gpt)   # as training wraps a --bf16 / --fp16 model
-    with offload_setup.open_store(args, DEVICE, 0) as tstore:
-        state = offload_setup.build_offloaded_state(args, unwrap_model(gpt), tstore, DEVICE)
-        optimizer = state.optimizer
-        units = len(state.weights.params.units)
-        gpt.config.grad_scale_func = optimizer.scale_loss if args.fp16 else None  # as pretrain
-        forward_backward = make_forward_backward(args, tstore, DEVICE, state.weights, state.units)
-        gpt.train()
+    set_seed(7)
+    with build_run(args, DEVICE, VOCAB, log=lambda line: None) as run:  # as pretrain builds it
+        units = len(run.offloaded.weights.params.units)
         batches = [random_microbatches(NUM_MICROBATCHES, MICRO_BATCH, args.seq_length, VOCAB,
                                        seed=step, device=DEVICE)
                    for step in range(WARMUP_STEPS + 1)]
-        try:
-            for mbs in batches[:WARMUP_STEPS]:
-                optimizer.zero_grad()
-                forward_backward(gpt, mbs)
-                optimizer.step()
-            sync()
-            mbs = batches[-1]
-            with record_syncs() as recorder:
-                optimizer.zero_grad()
-                losses = forward_backward(gpt, mbs).losses
-                update_successful, grad_norm, _ = optimizer.step()
-                lm_loss = loop._lm_loss(losses, mbs)
-                tstore.synchronize()   # the step's store work, on the store's threads
-        finally:
-            optimizer.flush()
-            optimizer.close()
+        for mbs in batches[:WARMUP_STEPS]:
+            run.step(mbs)
+        sync()
+        mbs = batches[-1]
+        with record_syncs() as recorder:
+            step = run.step(mbs)
+            lm_loss = loop._lm_loss(step.result.losses, mbs)
+            run.tensor_store.synchronize()   # the step's store work, on the store's threads
+        update_successful, grad_norm = step.update_successful, step.grad_norm
     assert update_successful and grad_norm is not None and grad_norm > 0
     assert torch.isfinite(torch.tensor(lm_loss)) and lm_loss > 0
     return recorder, lm_loss, units

@@ -1,0 +1,132 @@
+"""Assemble one run from validated flags: the model, its optimizer and learning-rate
+schedule, the step function and, with offloading, the tensor store and the offloaded state.
+
+``pretrain`` and the benchmarks in ``tools/`` build their runs here, so a benchmark measures
+the run users train. Without ``--snake-offload``: Megatron's DDP, optimizer and schedule
+(or ZenFlow's split AdamW with ``--snake-zenflow``). With it: the unit weights, gradients
+and AdamW state in the store, and the vertical schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.transformer.module import Float16Module
+
+from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.optim.adamw import HostAdamW
+from megatron_snake.training import offloaded_state
+from megatron_snake.training.model import build_gpt_model, wrap_ddp
+from megatron_snake.training.optimizer import (build_optimizer, build_scheduler,
+                                               build_zenflow_optimizer)
+from megatron_snake.training.step import StepResult, make_forward_backward
+
+
+@dataclass
+class StepOutcome:
+    """One training step: what the step function gave back and what the optimizer did."""
+
+    result: StepResult
+    update_successful: bool   # False: fp16 found an overflow and skipped the update
+    grad_norm: float | None
+
+
+@dataclass
+class Run:
+    """Everything one training run steps, built once by ``build_run``."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: torch.nn.Module        # what the step function takes (DDP-wrapped without offload)
+    optimizer: object
+    scheduler: object
+    forward_backward: Callable[..., StepResult]
+    tensor_store: object | None = None
+    offloaded: offloaded_state.OffloadedState | None = None
+    n_params: int = 0             # this rank's parameters, counted before any offloading
+
+    def step(self, microbatches: list[dict]) -> StepOutcome:
+        """Zero the gradients, run forward and backward over ``microbatches``, update, and
+        advance the learning-rate schedule by the global batch when the update was made."""
+        if hasattr(self.model, "zero_grad_buffer"):   # Megatron's DDP gradient buffers
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # named ranges for torch.profiler traces (next to nothing when none is recording)
+        with torch.profiler.record_function("snake/forward_backward"):
+            result = self.forward_backward(self.model, microbatches)
+        with torch.profiler.record_function("snake/optimizer_step"):
+            update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return StepOutcome(result, update_successful, grad_norm)
+
+    def finish(self) -> None:
+        """Apply pending updates and stop the optimizer's worker."""
+        if isinstance(self.optimizer, HostAdamW):  # Megatron's own needs neither
+            self.optimizer.flush()
+            self.optimizer.close()
+
+
+def schedule_name(args: argparse.Namespace) -> str:
+    pp = args.pipeline_model_parallel_size
+    if not args.snake_offload:
+        return "megatron (" + ("forward_backward_pipelining_without_interleaving, "
+                               f"{pp} stages)" if pp > 1 else "forward_backward_no_pipelining)")
+    if args.snake_schedule == "horizontal":
+        return f"horizontal (ablation), checkpoint interval {args.snake_checkpoint_interval}"
+    groups = args.num_microbatches // args.snake_group_size
+    bubble = (pp - 1) / (groups + pp - 1)
+    return (f"vertical (snake), checkpoint interval {args.snake_checkpoint_interval}, "
+            f"{groups} snake group(s) of {args.snake_group_size} over {pp} stage(s) "
+            f"(expected bubble {bubble:.0%})")
+
+
+@contextmanager
+def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *,
+              rank: int = 0, log: Callable[[str], None] = print) -> Iterator[Run]:
+    """The run ``args`` describe, on ``device`` (Megatron's parallel state initialized).
+    On exit the optimizer's pending updates land and the store's files are removed."""
+    gpt = build_gpt_model(args, vocab_size, device)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, schedule "
+        f"{schedule_name(args)}, {args.num_microbatches} micro-batches of "
+        f"{args.micro_batch_size} x {args.seq_length} tokens per step")
+    if args.bf16 or args.fp16:
+        gpt = Float16Module(gpt.config, gpt)
+    config = unwrap_model(gpt).config
+    with offloaded_state.open_store(args, device, rank) as tensor_store:
+        state = None
+        if args.snake_offload:
+            state = offloaded_state.build_offloaded_state(args, unwrap_model(gpt), tensor_store,
+                                                          device)
+            log(state.summary(args))
+            log(f"> offload directory {tensor_store.dir.path}, I/O engine "
+                f"{tensor_store.engine.name}")
+            model, optimizer = gpt, state.optimizer
+            scheduler = build_scheduler(args, optimizer)
+            config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
+            forward_backward = make_forward_backward(args, tensor_store, device, state.weights,
+                                                     state.units)
+        else:
+            model = wrap_ddp(gpt)
+            if args.snake_zenflow:  # approximate: says so at start and in every log line
+                optimizer, scheduler = build_zenflow_optimizer(args, model)
+                log(optimizer.summary())
+                config.grad_scale_func = None  # fp32 / bf16 only: no loss scale
+            else:
+                optimizer, scheduler = build_optimizer(args, model)
+                config.grad_scale_func = optimizer.scale_loss
+            config.no_sync_func = model.no_sync
+            config.finalize_model_grads_func = finalize_model_grads
+            forward_backward = make_forward_backward(args, tensor_store, device)
+        run = Run(args, device, model, optimizer, scheduler, forward_backward, tensor_store,
+                  state, n_params)
+        try:
+            yield run
+        finally:
+            run.finish()
