@@ -8,7 +8,8 @@
 The bottom layer: it imports nothing else of megatron_snake and knows nothing of training.
 Modules, from the drive up: engine (the native csrc engine or a Python fallback), swap_file
 (the on-disk record format), directory (the rank directory, its lock, stale files and free
-space), host_pool (pinned buffers under a hard limit), gds (GPUDirect through kvikio),
+space), safe_files (creating files and directories without following links), host_pool
+(pinned buffers under a hard limit), gds (GPUDirect through kvikio),
 store (TensorStore), errors, and sizes (tier names and byte sizes).
 """
 

@@ -41,3 +41,8 @@ class OffloadIOError(OffloadError, OSError):
 
     def __str__(self):
         return self.args[1] if len(self.args) > 1 else self.args[0]
+
+
+class UnsafePathError(OffloadError, PermissionError):
+    """A path the run would create or reuse is a symbolic link, not the kind of entry
+    expected, or owned by another user: the run refuses it rather than follow it."""
