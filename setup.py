@@ -46,7 +46,10 @@ def native_extensions():
     return [
         Extension(
             "megatron_snake._snake_aio",
-            sources=["csrc/snake_aio.c"],
+            # the binding, the I/O engine and crc32c (one concern a file; engine.h and
+            # crc32c.h are the C APIs the binding calls)
+            sources=["csrc/snake_aio.c", "csrc/engine.c", "csrc/crc32c.c"],
+            depends=["csrc/engine.h", "csrc/crc32c.h"],
             libraries=["uring"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         )

@@ -35,7 +35,8 @@ liburing=$(ls /usr/lib/x86_64-linux-gnu/liburing.a /usr/lib/liburing.a 2>/dev/nu
 [ -n "$liburing" ] || { echo "gpu_carry.sh: liburing.a not found (apt-get install liburing-dev)" >&2; exit 1; }
 inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-gcc -O2 -std=gnu11 -Wall -fPIC -shared -I"$inc" csrc/snake_aio.c "$liburing" -lpthread \
+gcc -O2 -std=gnu11 -Wall -fPIC -shared -I"$inc" csrc/snake_aio.c csrc/engine.c csrc/crc32c.c \
+    "$liburing" -lpthread \
     -o ".gpu/native/_snake_aio$suffix"
 ls -la .gpu/wheels .gpu/native .gpu/bin
 du -sh .gpu

@@ -1,4 +1,4 @@
-"""The I/O engine: native (csrc/snake_aio.c: io_uring or a pthread pool) or a pure-Python
+"""The I/O engine: native (csrc/engine.c: io_uring or a pthread pool, bound by csrc/snake_aio.c) or a pure-Python
 fallback (threads + os.preadv/os.pwritev), behind one small interface.
 
     eng = make_engine("auto")                      # logs which engine it picked and why
