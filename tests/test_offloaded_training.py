@@ -246,8 +246,11 @@ def test_memory_limit_pins_units_and_auto_tiers_pick_host(megatron_world, tmp_pa
     assert (auto.snake_param_tier, auto.snake_optimizer_tier) == ("auto", "auto")
     tiny = parse_args([*flags, "--snake-param-tier", "auto", "--snake-optimizer-tier", "auto",
                        "--snake-host-memory-limit", "64MiB"])
-    from megatron_snake.training.offloaded_state import StateTiers, resolve_state_tiers
-    assert resolve_state_tiers(tiny, weights_bytes=10 << 20, optimizer_bytes=10 << 20) == \
+    from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers,
+                                                         resolve_state_tiers)
+    # 64 MiB = 8 buffers of 8 MiB: a quarter (2) holds the weights, nothing is left
+    need = HostBuffers(weights=2, optimizer=2, unit_inputs=0)
+    assert resolve_state_tiers(tiny, need, pool_buffers=8) == \
         StateTiers(params="host", optimizer="nvme")
 
 

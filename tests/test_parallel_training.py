@@ -151,6 +151,34 @@ def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
     assert "lost contact with another rank" in out, out[-3000:]
 
 
+def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path):
+    """SIGSTOP one tensor-parallel rank mid-run (alive, silent): its peer's next collective
+    in Megatron's TP group gives up after --distributed-timeout-minutes, not Megatron's
+    default 30 minutes, and says a rank was lost."""
+    port = free_port()
+    extra = ["--tensor-model-parallel-size", "2", "--train-iters", "100000",
+             "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "0.25"]
+    procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
+    log0 = tmp_path / "rank0.log"
+    try:
+        deadline = time.time() + 240
+        while "iteration        2" not in log0.read_text():
+            assert procs[0].poll() is None and time.time() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGSTOP)
+        start = time.time()
+        procs[0].wait(timeout=120)
+        waited = time.time() - start
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode not in (0, None)
+    assert waited < 90, f"rank 0 waited {waited:.0f} s for a 15 s timeout"
+    out = log0.read_text()
+    assert "lost contact with another rank" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("world,flags,flag_named,says", [
     (1, ["--snake-offload", "--global-batch-size", "8", "--snake-group-size", "3"],
      "--snake-group-size", "must divide the 4 micro-batches"),

@@ -16,6 +16,13 @@ def megatron_param_groups(lr: float, weight_decay: float) -> list[dict]:
             {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0}]
 
 
+def check_clip_grad(clip_grad: float) -> None:
+    """``--clip-grad``: the global gradient-norm bound; 0 turns clipping off (Megatron's
+    convention). A negative bound would flip every update's sign."""
+    if not clip_grad >= 0.0:
+        raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {clip_grad}")
+
+
 def clip_coefficient(clip_grad: float, total_norm: torch.Tensor) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient: clamped to 1, and applied even when it
     is 1, as torch does."""

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_snake.optim.adamw import (STATES, HostAdamW, clip_coefficient, fused_adamw_,
-                                        megatron_param_groups)
+from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
+                                        fused_adamw_, megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
@@ -67,6 +67,7 @@ class OffloadedAdamW(HostAdamW):
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
                  model_parallel_group=None, embedding_group=None):
         check_alpha(alpha)
+        check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
@@ -193,7 +194,7 @@ class OffloadedAdamW(HostAdamW):
                 continue
             self.store.put(("grad", key, part), shard[lo - start:hi - start], tier=self.tier,
                            kind="grad")
-            if part == "bwd" and not self.clip_grad and self.grad_scaler is None:
+            if part == "bwd" and self.clip_grad == 0 and self.grad_scaler is None:
                 self._submit(key, part, self._hyper)
             else:
                 self._deferred[(key, part)] = self._hyper
@@ -231,7 +232,7 @@ class OffloadedAdamW(HostAdamW):
                 squares = all_reduce_on_backend(squares, group=self.model_parallel_group)
             total = squares.sqrt()[0]
         self._clip_coef = None
-        if self.clip_grad:
+        if self.clip_grad > 0:
             self._clip_coef = clip_coefficient(self.clip_grad, total)
         self.iteration += 1
         self._hyper, self._norms = None, {}

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_snake.optim.adamw import (STATES, HostAdamW, clip_coefficient, fused_adamw_,
-                                        megatron_param_groups)
+from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
+                                        fused_adamw_, megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow_select import complement, select_columns
@@ -143,6 +143,7 @@ class ZenFlowAdamW(HostAdamW):
                  beta2: float = 0.999, eps: float = 1e-8, clip_grad: float = 0.0,
                  settings: ZenFlowSettings | None = None,
                  dp: DataParallel = DataParallel()):
+        check_clip_grad(clip_grad)
         self.settings, self.dp = settings or ZenFlowSettings(), dp
         self.beta1, self.beta2, self.eps, self.clip_grad = beta1, beta2, eps, clip_grad
         self.param_groups = megatron_param_groups(lr, weight_decay)
@@ -216,7 +217,7 @@ class ZenFlowAdamW(HostAdamW):
         the two numbers read in one host synchronisation."""
         norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
         total = torch.linalg.vector_norm(norms)
-        if not self.clip_grad:
+        if self.clip_grad == 0:
             return total.item(), None, None
         coef = clip_coefficient(self.clip_grad, total)
         norm, coef_value = torch.stack([total, coef]).tolist()

@@ -1,5 +1,6 @@
-"""The I/O engine: native (csrc/engine.c: io_uring or a pthread pool, bound by csrc/snake_aio.c) or a pure-Python
-fallback (threads + os.preadv/os.pwritev), behind one small interface.
+"""The I/O engine: native (csrc/engine.c: io_uring or a pthread pool, bound by
+csrc/snake_aio.c) or a pure-Python fallback (threads + os.preadv/os.pwritev), behind one
+small interface.
 
     eng = make_engine("auto")                      # logs which engine it picked and why
     req = eng.write(fd, path, addr, nbytes, offset) # async; addr is a raw address

@@ -18,6 +18,18 @@ import torch
 from megatron_snake.storage.errors import HostMemoryError
 
 PAGE = 4096
+DEFAULT_BUFFER_BYTES = 8 << 20
+
+
+def check_host_memory_limit(limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES) -> int:
+    """``--snake-host-memory-limit`` must hold at least two buffers (one resident or
+    staging, one always free for staging); returns how many it holds."""
+    count = int(limit_bytes) // buffer_bytes
+    if count < 2:
+        raise HostMemoryError(
+            f"--snake-host-memory-limit {limit_bytes} bytes holds fewer than 2 host buffers "
+            f"of {buffer_bytes >> 20} MiB; give at least {2 * buffer_bytes >> 20}MiB")
+    return count
 
 
 class HostBuffer:
@@ -39,14 +51,10 @@ class HostBuffer:
 
 
 class HostBufferPool:
-    def __init__(self, limit_bytes, buffer_bytes=8 << 20, pin=None):
+    def __init__(self, limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES, pin=None):
         if buffer_bytes % PAGE:
             raise ValueError(f"host buffer size {buffer_bytes} is not a multiple of {PAGE}")
-        count = int(limit_bytes) // buffer_bytes
-        if count < 2:
-            raise HostMemoryError(
-                f"--snake-host-memory-limit {limit_bytes} bytes holds fewer than 2 host buffers "
-                f"of {buffer_bytes >> 20} MiB; raise the limit (or lower the buffer size)")
+        count = check_host_memory_limit(limit_bytes, buffer_bytes)
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.limit_bytes, self.buffer_bytes, self.count = int(limit_bytes), buffer_bytes, count
         self._free = []          # created, not in use

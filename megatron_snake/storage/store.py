@@ -39,7 +39,7 @@ import torch
 from megatron_snake.storage.directory import RankDir
 from megatron_snake.storage.engine import make_engine
 from megatron_snake.storage.errors import IntegrityError, OffloadIOError
-from megatron_snake.storage.host_pool import HostBufferPool
+from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, HostBufferPool
 from megatron_snake.storage.sizes import TIERS, gb
 from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
                                               check_record_header, key_hash, verify_record,
@@ -236,7 +236,7 @@ def default_device() -> torch.device:
 
 class TensorStore:
     def __init__(self, offload_dir, rank=0, host_memory_limit=2 << 30, engine="auto",
-                 device=None, buffer_bytes=8 << 20, queue_depth=32, io_threads=4, workers=4,
+                 device=None, buffer_bytes=DEFAULT_BUFFER_BYTES, queue_depth=32, io_threads=4, workers=4,
                  chunk_bytes=1 << 20, free_space_probe=None, write_probe=None, pin_memory=None):
         self.run_id = uuid.uuid4().bytes
         self.device = torch.device(device) if device is not None else default_device()
@@ -371,6 +371,10 @@ class TensorStore:
         """Check free space and grow `kind`'s swap file to hold nbytes now."""
         self.check_capacity(nbytes)
         self._file(kind).preallocate(nbytes)
+
+    def host_buffers_for(self, nbytes: int) -> int:
+        """Host buffers a record of ``nbytes`` holds while it lives on the host tier."""
+        return len(self._segments(int(nbytes)))
 
     def check_capacity(self, nbytes_planned):
         """Raise CapacityError unless nbytes_planned fit on the offload drive (with margin)."""

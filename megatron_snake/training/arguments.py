@@ -19,9 +19,12 @@ import os
 import torch
 
 from megatron_snake.models.gpt_units import check_checkpoint_interval
+from megatron_snake.optim.adamw import check_clip_grad
 from megatron_snake.optim.offloaded_adamw import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
+from megatron_snake.storage.errors import OffloadError
+from megatron_snake.storage.host_pool import check_host_memory_limit
 from megatron_snake.storage.sizes import parse_size
 from megatron_snake.training.distributed import data_parallel_size
 from megatron_snake.training.tokenizer import build_tokenizer
@@ -35,6 +38,18 @@ SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
 ZENFLOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZenFlowSettings)}
+# Ranges of single flags (a value outside crashed deep inside, or was silently misread).
+AT_LEAST_ONE = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--log-interval",
+                "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
+                "--seq-length", "--make-vocab-size-divisible-by")
+AT_LEAST_ONE_IF_GIVEN = ("--exit-interval", "--save-interval", "--ffn-hidden-size",
+                         "--kv-channels", "--max-position-embeddings", "--vocab-size",
+                         "--lr-decay-iters")
+AT_LEAST_ZERO = ("--eval-interval", "--eval-iters", "--lr-warmup-iters", "--lr", "--min-lr",
+                 "--lr-warmup-init", "--weight-decay", "--snake-activation-offload-min-bytes")
+FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction")
+PATHS = ("--save", "--load", "--snake-offload-dir", "--snake-plan-json", "--data-cache-path")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,12 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (saving a checkpoint if --save is given) once the iteration "
                         "is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="go on when the loss or the gradient norm is NaN or Inf (by default "
+                        "training stops there, as in Megatron-LM)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="torch.use_deterministic_algorithms(True)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
                    help="a collective that waits longer than this (e.g. for a rank that "
                         "died) fails instead of hanging")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -241,8 +260,31 @@ def _check(parser: argparse.ArgumentParser, rule, *values):
     becomes the usage error."""
     try:
         return rule(*values)
-    except ValueError as exc:
+    except (ValueError, OffloadError) as exc:
         parser.error(str(exc))
+
+
+def _validate_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Each flag's own range, before anything divides by it."""
+    def value(flag):
+        return getattr(args, flag[2:].replace("-", "_"))
+
+    for flag in AT_LEAST_ONE + AT_LEAST_ONE_IF_GIVEN:
+        if value(flag) is not None and value(flag) < 1:
+            _fail(parser, flag, f"must be >= 1, got {value(flag)}")
+    for flag in AT_LEAST_ZERO:
+        if value(flag) < 0:
+            _fail(parser, flag, f"must be >= 0, got {value(flag)}")
+    if not args.distributed_timeout_minutes > 0:
+        _fail(parser, "--distributed-timeout-minutes",
+              f"must be > 0, got {args.distributed_timeout_minutes}")
+    for flag in FRACTIONS:
+        if value(flag) is not None and not 0.0 <= value(flag) <= 1.0:
+            _fail(parser, flag, f"must be between 0 and 1, got {value(flag)}")
+    for flag in PATHS:
+        if value(flag) is not None and not value(flag).strip():
+            _fail(parser, flag, "is an empty path; give a directory, or drop the flag")
+    _check(parser, check_clip_grad, args.clip_grad)
 
 
 def _validate_pipeline(args, parser) -> None:
@@ -251,6 +293,10 @@ def _validate_pipeline(args, parser) -> None:
     if args.num_layers % pp:
         _fail(parser, "--pipeline-model-parallel-size", f"--num-layers {args.num_layers} is "
               f"not divisible by {pp} stages; choose layers that split evenly")
+    if args.snake_offload and args.snake_checkpoint_interval > args.num_layers // pp:
+        _fail(parser, "--snake-checkpoint-interval", f"{args.snake_checkpoint_interval} layers "
+              f"per unit is more than the {args.num_layers // pp} layers of a pipeline stage; "
+              f"use at most {args.num_layers // pp} (one unit per stage)")
     if args.snake_group_size is not None:
         if not args.snake_offload:
             _fail(parser, "--snake-group-size", "applies to the vertical schedule; add "
@@ -285,6 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None):
     """Fill derived defaults and reject inconsistent flags, naming the flag at fault."""
     parser = parser or build_parser()
+    _validate_ranges(args, parser)
     args.data_parallel_size = _check(
         parser, data_parallel_size, int(os.environ.get("WORLD_SIZE", 1)),
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -295,8 +342,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _fail(parser, "--sequence-parallel", "needs --transformer-impl transformer_engine: "
               "the local layer spec's torch norms do not support sequence parallelism")
     per_step = args.micro_batch_size * args.data_parallel_size
-    if args.micro_batch_size < 1:
-        _fail(parser, "--micro-batch-size", "must be >= 1")
     if args.global_batch_size % per_step:
         _fail(parser, "--global-batch-size",
               f"{args.global_batch_size} is not divisible by --micro-batch-size "
@@ -311,6 +356,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
                 setattr(args, attr, parse_size(getattr(args, attr)))
             except ValueError as exc:
                 _fail(parser, flag, str(exc))
+    if args.snake_offload or args.snake_activation_offload:   # the store's host pool
+        _check(parser, check_host_memory_limit, args.snake_host_memory_limit)
     if args.snake_activation_offload and not args.snake_offload and \
             args.snake_activation_tier == "device":
         _fail(parser, "--snake-activation-tier", "use host or nvme with "
@@ -338,9 +385,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.bf16 and args.fp16:
         _fail(parser, "--bf16", "--bf16 and --fp16 are mutually exclusive")
     _validate_zenflow(args, parser)
-    if args.num_layers < 1 or args.hidden_size < 1 or args.num_attention_heads < 1:
-        _fail(parser, "--num-layers", "--num-layers, --hidden-size and --num-attention-heads "
-              "must be >= 1")
     if args.hidden_size % args.num_attention_heads:
         _fail(parser, "--num-attention-heads", f"--hidden-size {args.hidden_size} is not "
               f"divisible by --num-attention-heads {args.num_attention_heads}")
@@ -371,8 +415,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               "directory of an earlier run, or drop --load to start from scratch")
     if args.save_interval is not None and args.save is None:
         _fail(parser, "--save-interval", "needs --save DIR")
-    if args.save_interval is not None and args.save_interval < 1:
-        _fail(parser, "--save-interval", "must be >= 1")
     if args.data_path:
         args.mock_data = False
     else:

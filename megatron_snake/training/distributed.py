@@ -75,9 +75,12 @@ def initialize(*, device: torch.device, tensor_model_parallel_size: int = 1,
     if not parallel_state.model_parallel_is_initialized():
         data_parallel_size(dist.get_world_size(), tensor_model_parallel_size,
                            pipeline_model_parallel_size)
+        # every TP / PP / DP subgroup gets the same bound as the world group (Megatron's
+        # default is 30 minutes, whatever the flag says)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size)
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            distributed_timeout_minutes=timeout_minutes)
     set_seed(seed)
 
 

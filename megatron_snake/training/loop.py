@@ -6,6 +6,7 @@ run (``build.build_run``) and hands it to one ``Trainer``: train, evaluate, save
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import torch
@@ -44,6 +45,19 @@ def _lm_loss(losses, microbatches) -> float:
 
 def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
     return [_to_device(next(iterator), device) for _ in range(count)]
+
+
+def _stop_on_nan(iteration: int, lm_loss: float, grad_norm) -> None:
+    """Megatron-LM's default: a NaN or Inf loss or gradient norm stops the run before it
+    is logged as progress or saved (every rank sees the same reduced values)."""
+    bad = [f"{name} {value}" for name, value in (("lm loss", lm_loss), ("grad norm", grad_norm))
+           if value is not None and not math.isfinite(value)]
+    if bad:
+        raise FloatingPointError(
+            f"iteration {iteration}: {' and '.join(bad)}: training stops here and this "
+            "iteration is not saved (the last --save checkpoint is intact). Lower --lr or "
+            "check the data, then resume with --load; --no-check-for-nan-in-loss-and-grad "
+            "goes on instead")
 
 
 class Trainer:
@@ -134,6 +148,8 @@ class Trainer:
             self.iteration += 1
             self.consumed += args.global_batch_size
             lm_loss = _lm_loss(step.result.losses, mbs)
+            if args.check_for_nan_in_loss_and_grad:
+                _stop_on_nan(self.iteration, lm_loss, step.grad_norm)
             history.append(lm_loss)
             self.log.step(iteration=self.iteration, consumed_samples=self.consumed,
                           lm_loss=lm_loss, lr=run.optimizer.param_groups[0]["lr"],

@@ -15,24 +15,33 @@ from dataclasses import dataclass
 import torch
 
 from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.sizes import mib
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
-from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed
 
-def checkpoint_bytes_per_step(args) -> int:
+def checkpoint_bytes(args) -> int:
+    """One unit input of one micro-batch: [s, b, h] in the parameters' dtype."""
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    return seq * args.micro_batch_size * args.hidden_size * \
+        torch.tensor([], dtype=args.params_dtype).element_size()
+
+
+def checkpoints_per_step(args) -> int:
     """Unit checkpoints alive between the sweeps on this pipeline stage: (units of the
-    stage - 1) x M x [s, b, h] (at most; a later stage adds what it received, a snake group
-    frees its checkpoints before the next group's backward)."""
+    stage - 1) x M (at most; a later stage adds what it received, a snake group frees its
+    checkpoints before the next group's backward)."""
     layers = args.num_layers // args.pipeline_model_parallel_size
     units = -(-layers // args.snake_checkpoint_interval)
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    per_checkpoint = seq * args.micro_batch_size * args.hidden_size * \
-        torch.tensor([], dtype=args.params_dtype).element_size()
-    return (units - 1) * args.num_microbatches * per_checkpoint
+    return (units - 1) * args.num_microbatches
+
+
+def checkpoint_bytes_per_step(args) -> int:
+    return checkpoints_per_step(args) * checkpoint_bytes(args)
 
 
 @contextmanager
@@ -154,20 +163,86 @@ class StateTiers:
     optimizer: str
 
 
-def resolve_state_tiers(args, weights_bytes: int, optimizer_bytes: int) -> StateTiers:
-    """``--snake-param-tier``/``--snake-optimizer-tier auto``: host when a quarter of
-    ``--snake-host-memory-limit`` holds it (the rest stays for checkpoints and the I/O
-    buffers NVMe transfers go through), weights first (per byte held they move the most:
-    read in both sweeps), else nvme. The flags themselves are left as given."""
-    room = args.snake_host_memory_limit // 4
+def resolve_state_tiers(args, need: HostBuffers, pool_buffers: int) -> StateTiers:
+    """``--snake-param-tier``/``--snake-optimizer-tier auto``: host when a quarter of the
+    host pool (``--snake-host-memory-limit``) holds it (the rest stays for checkpoints and
+    the I/O buffers NVMe transfers go through), weights first (per byte held they move the
+    most: read in both sweeps), else nvme. The flags themselves are left as given."""
+    room = pool_buffers // 4
     params, optimizer = args.snake_param_tier, args.snake_optimizer_tier
     if params == "auto":
-        params = "host" if weights_bytes <= room else "nvme"
+        params = "host" if need.weights <= room else "nvme"
     if params == "host":
-        room -= weights_bytes
+        room -= need.weights
     if optimizer == "auto":
-        optimizer = "host" if optimizer_bytes <= room else "nvme"
+        optimizer = "host" if need.optimizer <= room else "nvme"
     return StateTiers(params, optimizer)
+
+
+@dataclass(frozen=True)
+class HostBuffers:
+    """Host-pool buffers each part of the state holds while it lives on the host tier (a
+    record takes whole buffers, so this is not bytes / buffer size)."""
+
+    weights: int
+    optimizer: int       # fp32 master weights, two moments and the fp32 gradient
+    unit_inputs: int
+
+
+def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list[int],
+                        buffers_for) -> HostBuffers:
+    """What each part would hold on the host tier: this rank's records of every unit's
+    weights (the pinned ones stay on the device), four fp32 records per weight record,
+    and the step's unit inputs; ``buffers_for(nbytes)`` is the store's rule."""
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    weights = optimizer = 0
+    for unit, lay in enumerate(params.units):
+        for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp):
+            if hi > lo:
+                weights += 0 if unit in pinned else buffers_for((hi - lo) * elem)
+                optimizer += 4 * buffers_for((hi - lo) * 4)
+    if params.shared.segments:
+        optimizer += sum(4 * buffers_for((hi - lo) * 4)
+                         for lo, hi in part_bounds(params.shared.numel, args.snake_alpha, dp)
+                         if hi > lo)
+    inputs = checkpoints_per_step(args) * buffers_for(checkpoint_bytes(args))
+    return HostBuffers(weights, optimizer, inputs)
+
+
+def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int,
+                      buffer_bytes: int) -> None:
+    """Refuse at start a plan whose host tiers cannot fit ``--snake-host-memory-limit``,
+    with the total it needs, instead of a per-key error at the first step."""
+    parts = [("weights", need.weights, tiers.params == "host"),
+             ("optimizer state and gradients", need.optimizer, tiers.optimizer == "host"),
+             ("unit inputs", need.unit_inputs, args.snake_activation_tier == "host")]
+    on_host = [(name, n) for name, n, host in parts if host and n]
+    total = sum(n for _, n in on_host) + 1   # one buffer always stays free for staging
+    if total > pool_buffers:
+        detail = ", ".join(f"{name} {n}" for name, n in on_host)
+        raise HostMemoryError(
+            f"--snake-host-memory-limit {mib(args.snake_host_memory_limit)} holds "
+            f"{pool_buffers} host buffers of {mib(buffer_bytes)}, but the host tiers need "
+            f"{total} ({detail}, and 1 for staging): raise --snake-host-memory-limit to at "
+            f"least {mib(total * buffer_bytes)}, or move a part to nvme "
+            "(--snake-param-tier / --snake-optimizer-tier / --snake-activation-tier nvme)")
+
+
+def saves_to_offload_drive(args, offload_path: str) -> bool:
+    """Whether ``--save`` is on the file system of the offload directory."""
+    if not args.save:
+        return False
+    path = os.path.abspath(args.save)
+    while not os.path.exists(path):   # --save is made at the first save
+        path = os.path.dirname(path)
+    return os.stat(path).st_dev == os.stat(offload_path).st_dev
+
+
+def checkpoint_bytes_planned(args, model_bytes: int, optimizer_bytes: int) -> int:
+    """What this rank's ``--save`` checkpoints of the run add up to (every saved iteration
+    is kept, as in Megatron-LM): its model state and its optimizer shard, per save."""
+    saves = (args.train_iters // args.save_interval if args.save_interval else 0) + 1
+    return saves * (model_bytes + optimizer_bytes)
 
 
 def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
@@ -263,16 +338,31 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
                 f"the working set of unit {unit} ({mib(need)}: its weights and fp32 "
                 "gradient, the tied weights, one micro-batch's checkpoints); the minimum is "
                 f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval.")
-    dp_size = DataParallel.from_megatron().size
-    numel = -(-sum(lay.numel for lay in params.all_layouts()) // dp_size)  # this rank's share
+    dp = DataParallel.from_megatron()
+    full_numel = sum(lay.numel for lay in params.all_layouts())
+    numel = -(-full_numel // dp.size)  # this rank's share
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    tiers = resolve_state_tiers(args, numel * elem, 16 * numel)  # master, moments, grad: 16 B
+    pinned = units_to_pin(args, params, dp.size)
+    need = host_buffers_needed(args, params, dp, pinned, store.host_buffers_for)
+    tiers = resolve_state_tiers(args, need, store.pool.count)
     error, capacity = None, (0, 0)
     try:
-        capacity = store.check_capacity(nvme_bytes(args, tiers, numel * elem, 16 * numel))
+        check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
+        planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
+        saved = checkpoint_bytes_planned(args, full_numel * elem, 12 * numel) \
+            if saves_to_offload_drive(args, store.dir.path) else 0
+        try:
+            capacity = store.check_capacity(planned + saved)
+        except CapacityError as exc:
+            if not saved:
+                raise
+            raise CapacityError(f"{exc} (This counts {mib(saved)} of --save checkpoints on "
+                                "the same file system: every saved iteration is kept; raise "
+                                "--save-interval or save to another drive.)") from None
     except (OSError, ValueError, RuntimeError) as exc:
         error = exc
-    distributed.raise_unless_all_ranks_ok(error, "free space check for the offloaded state")
+    distributed.raise_unless_all_ranks_ok(error, "host memory and free space check for the "
+                                          "offloaded state")
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
@@ -281,6 +371,5 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
                                model_parallel_group=_model_parallel_group(),
                                embedding_group=_embedding_group(gpt))
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=tiers.params,
-                             pinned=units_to_pin(args, params, dp_size))
+                             tier=tiers.params, pinned=pinned)
     return OffloadedState(units, weights, optimizer, tiers, capacity)
