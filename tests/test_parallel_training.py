@@ -157,7 +157,7 @@ def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path):
     default 30 minutes, and says a rank was lost."""
     port = free_port()
     extra = ["--tensor-model-parallel-size", "2", "--train-iters", "100000",
-             "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "0.25"]
+             "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "0.5"]
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
     log0 = tmp_path / "rank0.log"
     try:
@@ -167,14 +167,15 @@ def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path):
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGSTOP)
         start = time.time()
-        procs[0].wait(timeout=120)
+        procs[0].wait(timeout=150)
         waited = time.time() - start
     finally:
         for p in procs:
             p.kill()
             p.wait()
     assert procs[0].returncode not in (0, None)
-    assert waited < 90, f"rank 0 waited {waited:.0f} s for a 15 s timeout"
+    # 30 s, plus start-up slack on a loaded 2-core machine (Megatron's default: 1800 s)
+    assert waited < 120, f"rank 0 waited {waited:.0f} s for a 30 s timeout"
     out = log0.read_text()
     assert "lost contact with another rank" in out, out[-3000:]
 

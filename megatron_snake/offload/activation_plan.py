@@ -13,6 +13,7 @@ again when the checkpoints' shapes or the number of micro-batches change.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
@@ -21,6 +22,7 @@ import torch
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.placement.lifetimes import LifetimeRecorder
 from megatron_snake.placement.plan import make_plan
+from megatron_snake.storage.safe_files import write_file_atomically
 
 UNLIMITED = 1 << 62
 
@@ -92,6 +94,8 @@ class ActivationPlanner:
                  host_budget_bytes: int, plan_path: str | None, log=print):
         self.store, self.device, self.log = store, device, log
         self.profile_iters, self.plan_path = profile_iters, plan_path
+        if plan_path:
+            _check_plan_path(plan_path)   # now, not after the profiled iterations
         self.gpu_budget = gpu_budget_bytes if gpu_budget_bytes is not None else UNLIMITED
         self.host_budget = host_budget_bytes
         self.plan = None
@@ -148,9 +152,23 @@ class ActivationPlanner:
         self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
                  f"{self.plan.summary()}")
         if self.plan_path:
-            with open(self.plan_path, "w") as f:
-                f.write(self.plan.to_json())
+            # a new 0600 file renamed into place: a link at plan_path is replaced, never
+            # written through
+            write_file_atomically(self.plan_path, self.plan.to_json().encode(),
+                                  what="activation plan (--snake-plan-json)")
             self.log(f"> activation plan written to {self.plan_path}")
+
+
+def _check_plan_path(path) -> None:
+    """Refuse at the start a plan path the plan could not be written to: its directory must
+    exist and the path must not be a directory (a link there is replaced when the plan is
+    written, never followed)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--snake-plan-json {path}: the directory {parent} does not exist; "
+                         "create it or give another path")
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise ValueError(f"--snake-plan-json {path} is a directory; give the path of a file")
 
 
 def measure_tier_bandwidth(store, nbytes: int = 64 << 20, tiers=("host", "nvme")) -> dict:

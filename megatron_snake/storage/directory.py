@@ -1,6 +1,13 @@
 """The per-rank offload directory: `<offload-dir>/rank<N>/`, mode 0700, a lock file so that
 two jobs never share it, stale files of a killed run detected, reported and removed (never
-read), and the free-space check of the run's NVMe plan."""
+read), and the free-space check of the run's NVMe plan.
+
+The offload directory may sit in a parent other users can write to, so nothing the run
+makes in it is trusted by name (safe_files): the rank directory must be a real directory
+owned by this user (not a link), the lock file is opened without following a link and
+checked to be this user's regular file before it is read or written, and a stale ``*.swap``
+entry that is a link, not a regular file, or not this user's is removed without being
+opened."""
 
 import errno
 import fcntl
@@ -10,9 +17,11 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 
-from megatron_snake.storage.errors import CapacityError, OffloadDirError
+from megatron_snake.storage.errors import CapacityError, OffloadDirError, UnsafePathError
+from megatron_snake.storage.safe_files import create_file, open_owned_file, private_dir
 from megatron_snake.storage.swap_file import read_file_header
 
 log = logging.getLogger("megatron_snake.storage")
@@ -27,16 +36,37 @@ def disk_free_bytes(path):
     return shutil.disk_usage(path).free
 
 
+class UnsafeOffloadDirError(UnsafePathError, OffloadDirError):
+    """An entry in the offload directory is a symbolic link, not the kind expected, or owned
+    by another user: both an UnsafePathError and an OffloadDirError."""
+
+
 def probe_writable(path):
-    """Create and remove a file: the only test that is true for root (os.access is not)."""
+    """Create and remove a file: the only test that is true for root (os.access is not).
+    Created without following a link (a leftover probe or a planted link is replaced)."""
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    os.close(fd)
+    os.close(create_file(probe, what="write probe"))
     os.unlink(probe)
 
 
 def _gib(n):
     return f"{n / 2**30:.2f} GiB"
+
+
+def _not_ours(st):
+    """Why an entry (``os.lstat``) is not this run's to read, or None for a regular file of
+    this user's with no other name."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this user"
+    if st.st_nlink != 1:
+        return "a file with other hard links"
+    return None
 
 
 class RankDir:
@@ -61,28 +91,58 @@ class RankDir:
         if not os.path.isdir(self.root):
             raise OffloadDirError(f"{flag} {self.root} is not a directory")
         try:
-            os.mkdir(self.path, 0o700)
-        except FileExistsError:
-            if not os.path.isdir(self.path):
-                raise OffloadDirError(f"{self.path} exists and is not a directory ({flag} {self.root})")
+            # made 0700, or taken only when it is a real directory of ours (never a link)
+            private_dir(self.path, what="rank directory")
+        except UnsafePathError as exc:
+            raise self._unsafe(exc) from None
         except OSError as exc:
-            raise OffloadDirError(f"cannot create {self.path}: {exc.strerror}; is {flag} "
-                                  f"{self.root} writable by this user?") from exc
+            if not os.path.lexists(self.path):
+                raise OffloadDirError(f"cannot create {self.path}: {exc.strerror}; is {flag} "
+                                      f"{self.root} writable by this user?") from exc
+            raise OffloadDirError(f"{self.path} is not writable ({exc.strerror}); {flag} must "
+                                  "point to a writable directory on a local drive") from exc
         try:
-            os.chmod(self.path, 0o700)
             write_probe(self.path)
+        except UnsafePathError as exc:
+            raise self._unsafe(exc) from None
         except OSError as exc:
             raise OffloadDirError(f"{self.path} is not writable ({exc.strerror}); {flag} must "
                                   "point to a writable directory on a local drive") from exc
         self._lock(run_id)
-        self._remove_stale()
+        try:
+            self._remove_stale()
+        except BaseException:
+            self.close()
+            raise
+
+    def _unsafe(self, exc):
+        """``exc`` (an UnsafePathError naming the path and what to do) with the flag."""
+        return UnsafeOffloadDirError(f"{exc} (--snake-offload-dir {self.root})")
 
     # ------------------------------------------------------------ lock
+
+    def _open_lock(self, lock_path):
+        """The lock file, opened (created when missing) without following a link, and only
+        when it is this user's regular file with no other name: nothing else is ever read,
+        truncated or written through it."""
+        try:
+            fd = open_owned_file(lock_path, what="lock file", flags=os.O_RDWR | os.O_CREAT)
+        except UnsafePathError as exc:
+            raise self._unsafe(exc) from None
+        except OSError as exc:
+            raise OffloadDirError(f"cannot open {lock_path}: {exc.strerror} (--snake-offload-dir "
+                                  f"{self.root})") from exc
+        if os.fstat(fd).st_nlink != 1:
+            os.close(fd)
+            raise self._unsafe(UnsafePathError(
+                f"lock file {lock_path} has other hard links; the run does not write a file "
+                "that has another name: remove it or choose another directory"))
+        return fd
 
     def _lock(self, run_id):
         lock_path = os.path.join(self.path, LOCK_NAME)
         for _ in range(10):
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+            fd = self._open_lock(lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -96,7 +156,7 @@ class RankDir:
                 raise OffloadDirError(f"cannot lock {lock_path}: {exc.strerror}") from exc
             # the file we locked must still be the one at lock_path (a closing job unlinks it)
             try:
-                same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -116,15 +176,29 @@ class RankDir:
 
     def _remove_stale(self):
         for path in sorted(glob.glob(os.path.join(self.path, "*" + SWAP_SUFFIX))):
-            hdr = read_file_header(path)
-            size = os.stat(path).st_size
-            self.stale.append((path, hdr, size))
+            try:
+                st = os.lstat(path)             # the entry itself, never what a link names
+            except FileNotFoundError:
+                continue
+            not_read = _not_ours(st)
+            if not_read == "a directory":
+                raise self._unsafe(UnsafePathError(
+                    f"{path} is a directory, not a swap file; remove it or choose another "
+                    "directory"))
+            # a link, a FIFO or device, another user's file or a hard link is removed (the
+            # entry, not what it names) without being opened; read_file_header itself opens
+            # without following a link and reads only this user's regular files
+            hdr = {"not_read": not_read} if not_read else read_file_header(path)
+            self.stale.append((path, hdr, 0 if not_read else st.st_size))
             os.unlink(path)
         if self.stale:
             lines = []
             for path, hdr, size in self.stale:
                 if os.path.basename(path) == LOCK_NAME:
                     lines.append(f"lock of a run that did not exit cleanly: {hdr['previous_owner']}")
+                elif hdr and "not_read" in hdr:
+                    lines.append(f"{os.path.basename(path)} ({hdr['not_read']}: removed without "
+                                 "being followed or opened)")
                 else:
                     what = (f"run {hdr['run_id'][:8]} pid {hdr['pid']} kind {hdr['kind']}"
                             if hdr else "not a megatron_snake swap file (bad header)")

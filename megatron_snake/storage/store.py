@@ -236,8 +236,9 @@ def default_device() -> torch.device:
 
 class TensorStore:
     def __init__(self, offload_dir, rank=0, host_memory_limit=2 << 30, engine="auto",
-                 device=None, buffer_bytes=DEFAULT_BUFFER_BYTES, queue_depth=32, io_threads=4, workers=4,
-                 chunk_bytes=1 << 20, free_space_probe=None, write_probe=None, pin_memory=None):
+                 device=None, buffer_bytes=DEFAULT_BUFFER_BYTES, queue_depth=32, io_threads=4,
+                 workers=4, chunk_bytes=1 << 20, free_space_probe=None, write_probe=None,
+                 pin_memory=None):
         self.run_id = uuid.uuid4().bytes
         self.device = torch.device(device) if device is not None else default_device()
         dir_kwargs = {}

@@ -25,6 +25,7 @@ import zlib
 
 from megatron_snake.storage.engine import crc32c_native
 from megatron_snake.storage.errors import CapacityError, IntegrityError, OffloadIOError
+from megatron_snake.storage.safe_files import open_owned_file
 
 log = logging.getLogger("megatron_snake.storage")
 
@@ -109,8 +110,10 @@ def verify_record(addr, run_id, khash, seq, segment, nbytes, checksum_fn, key, w
 # ---------------------------------------------------------------- files
 
 def open_direct(path, create=True):
-    """Open with O_DIRECT when the file system supports it; returns (fd, direct)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    """Open with O_DIRECT when the file system supports it; returns (fd, direct). Never
+    through a symbolic link: a new file (O_EXCL), or an existing one without following."""
+    flags = (os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | os.O_NOFOLLOW
+             | getattr(os, "O_CLOEXEC", 0))
     odirect = getattr(os, "O_DIRECT", 0)
     if odirect:
         try:
@@ -122,9 +125,11 @@ def open_direct(path, create=True):
 
 
 def read_file_header(path):
-    """The parsed header of a swap file (dict) or None when it is not one of ours."""
+    """The parsed header of a swap file (dict) or None when it is not one of ours (nor a
+    regular file of this user's: a link is not followed)."""
     try:
-        with open(path, "rb") as f:
+        fd = open_owned_file(path, what="swap file", flags=os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(FILE_HEADER.size)
         magic, ver, bs, ck, rid, pid, created, kind = FILE_HEADER.unpack(raw)
     except (OSError, struct.error):
