@@ -1,0 +1,440 @@
+"""--save / --load under faults and attacks: a checkpoint that carries a pickled payload is
+refused and the payload never runs; a flipped byte or a truncated file is refused naming
+the file; a full disk during a save names the path and ENOSPC, leaves no partial files and
+the previous checkpoint resumes exactly; files 0600 in 0700 directories; planted symbolic
+links are never followed; every rename is made durable by an fsync of its directory."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from megatron_snake.training import checkpointing
+from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.loop import pretrain
+
+SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "6",
+         "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "5"]
+# dropout on: resuming exactly needs the RNG streams and the data position back too
+FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload"]
+STATE = "model_optim_rng.pt"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@pytest.fixture(scope="module")
+def full_run(megatron_world):
+    """The uninterrupted run's four losses."""
+    return pretrain(parse_args(FLAGS))
+
+
+@pytest.fixture(scope="module")
+def saved(megatron_world, tmp_path_factory):
+    """A real checkpoint of iteration 2 (the run stopped by --exit-interval 2)."""
+    root = tmp_path_factory.mktemp("saved") / "ckpt"
+    pretrain(parse_args([*FLAGS, "--exit-interval", "2", "--save", str(root)]))
+    assert (root / TRACKER).read_text() == "2"
+    return root
+
+
+def _copy(saved, tmp_path) -> tuple[str, str]:
+    """A copy of the saved checkpoint to change: (root, its state file)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    return str(root), str(root / "iter_0000002" / "mp_rank_00" / STATE)
+
+
+def _resign(path: str) -> None:
+    """What an attacker who can write the state file can do too: write its checksum file
+    to match (a no-op where there is none)."""
+    sidecar = path + ".sha256.json"
+    if os.path.exists(sidecar):
+        data = pathlib.Path(path).read_bytes()
+        manifest = json.loads(pathlib.Path(sidecar).read_text())
+        manifest.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        pathlib.Path(sidecar).write_text(json.dumps(manifest))
+
+
+def _leftovers(root) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        found += [os.path.join(dirpath, n) for n in dirnames + filenames
+                  if n.endswith((".tmp", ".part"))]
+    return found
+
+
+# --- malicious checkpoints ---------------------------------------------------------------
+class _TouchPayload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+class _OpenPayload(_TouchPayload):
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("payload", [_TouchPayload, _OpenPayload])
+def test_a_pickled_payload_is_refused_and_never_runs(saved, tmp_path, payload):
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "payload_ran"
+    state = torch.load(path, weights_only=False)  # the test's own file
+    state["rng_state"]["evil"] = payload(str(marker))
+    torch.save(state, path)
+    _resign(path)  # the refusal must not rest on the checksum
+    with pytest.raises(ValueError) as caught:
+        pretrain(parse_args([*FLAGS, "--load", root]))
+    message = str(caught.value)
+    assert message.startswith(f"--load {root}: refused {path}: it holds objects other than "
+                              "tensors and plain values"), message
+    assert "nothing in it was run" in message
+    assert not marker.exists(), "the payload ran"
+
+
+def test_the_format_needs_only_torchs_allowlist_and_bytesio(saved, tmp_path):
+    """What a save writes loads with weights_only=True and no extra safe globals (the ones
+    Megatron-Core registers at import set aside), and --load leaves those as they were. The
+    one extra global --load allows, io.BytesIO (where Transformer Engine layers keep their
+    _extra_state), round-trips."""
+    import io
+
+    path = saved / "iter_0000002" / "mp_rank_00" / STATE
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        state = torch.load(path, weights_only=True)
+    finally:
+        torch.serialization.add_safe_globals(registered)
+    assert state["iteration"] == 2
+    checkpointing.load_checkpoint(str(saved), args=parse_args([*FLAGS, "--load", str(saved)]))
+    assert set(map(id, torch.serialization.get_safe_globals())) == set(map(id, registered))
+
+    root = tmp_path / "ckpt"
+    _save(root, 3, model_state={"w": torch.arange(4.0), "_extra_state": io.BytesIO(b"fp8")})
+    state = _load(root)
+    assert state["model"]["_extra_state"].getvalue() == b"fp8"
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
+
+
+def test_a_state_the_loader_would_refuse_is_not_written(megatron_world, tmp_path):
+    """numpy.float64 is a float subclass: pickled as a numpy object, so the save refuses
+    it naming the entry, before writing, and leaves nothing behind."""
+    import numpy as np
+
+    root = tmp_path / "ckpt"
+    with pytest.raises(TypeError, match=r"checkpoint entry state\['optimizer'\]\['lr'\] is a "
+                                        r"numpy.float64; a checkpoint holds only tensors"):
+        _save(root, 3, optimizer_state={"lr": np.float64(0.1)})
+    assert os.listdir(root) == []
+
+
+# --- integrity -----------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_a_flipped_byte_is_refused_naming_the_file(saved, tmp_path, where):
+    root, path = _copy(saved, tmp_path)
+    size = os.path.getsize(path)
+    offset = size // 2 if where == "middle" else size - 30   # tensor data / zip directory
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ValueError) as caught:
+        pretrain(parse_args([*FLAGS, "--load", root]))
+    assert str(caught.value).startswith(
+        f"--load {root}: {path} is corrupt (checksum mismatch"), str(caught.value)
+    assert "restore it from a copy or load an earlier iteration" in str(caught.value)
+
+
+def test_a_truncated_file_is_refused_naming_the_file(saved, tmp_path):
+    root, path = _copy(saved, tmp_path)
+    size = os.path.getsize(path)
+    os.truncate(path, size // 2)
+    with pytest.raises(ValueError) as caught:
+        pretrain(parse_args([*FLAGS, "--load", root]))
+    assert str(caught.value).startswith(
+        f"--load {root}: {path} is corrupt (truncated: {size // 2} of {size} bytes); "
+        "restore it from a copy or load an earlier iteration"), str(caught.value)
+
+
+def test_a_missing_checksum_file_is_refused_naming_it(saved, tmp_path):
+    root, path = _copy(saved, tmp_path)
+    os.unlink(path + ".sha256.json")
+    with pytest.raises(ValueError, match=re.escape(
+            f"--load {root}: {path} has no checksum file {STATE}.sha256.json beside it")):
+        pretrain(parse_args([*FLAGS, "--load", root]))
+
+
+# --- a full disk during --save -------------------------------------------------------------
+def _expect_disk_full_then_resume(root: str, full_run, patch=None) -> None:
+    """From the iteration-2 checkpoint in ``root``, train to 4 and save there: the save
+    fails with one error naming the path and ENOSPC; nothing partial is left, the tracker
+    still says 2, and resuming from it gives the uninterrupted run's losses."""
+    with pytest.raises(OSError) as caught:
+        if patch:
+            with patch():
+                pretrain(parse_args([*FLAGS, "--load", root, "--save", root]))
+        else:
+            pretrain(parse_args([*FLAGS, "--load", root, "--save", root]))
+    message = str(caught.value)
+    part = os.path.join(root, "iter_0000004.tmp", "mp_rank_00", STATE + ".part")
+    assert message.startswith(f"--save {root}: writing the checkpoint failed at {part}: no "
+                              "space left on device (ENOSPC)."), message
+    assert f"the previous checkpoint and {TRACKER} are unchanged" in message
+    assert caught.value.errno == errno.ENOSPC
+    assert _leftovers(root) == []
+    assert sorted(n for n in os.listdir(root) if n != "filler") == ["iter_0000002", TRACKER]
+    assert pathlib.Path(root, TRACKER).read_text() == "2"
+    resumed = pretrain(parse_args([*FLAGS, "--load", root]))
+    assert resumed == full_run[2:], (resumed, full_run[2:])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real, small file system (tmpfs, mounted here: needs root / CAP_SYS_ADMIN)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=60)
+        why = proc.stderr.strip() or f"mount exited with {proc.returncode}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        proc, why = None, str(exc)
+    if proc is None or proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({why}); "
+                    "test_disk_full_injected_at_the_system_call covers the same path")
+    yield mnt
+    if subprocess.run(["umount", str(mnt)]).returncode != 0:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_disk_full_on_a_real_small_file_system(saved, full_run, small_tmpfs):
+    root = str(small_tmpfs / "ckpt")
+    shutil.copytree(saved, root)
+    size = os.path.getsize(os.path.join(root, "iter_0000002", "mp_rank_00", STATE))
+    st = os.statvfs(small_tmpfs)
+    free = st.f_bavail * st.f_frsize
+    assert free > size, "the tmpfs must hold at least one more checkpoint to fill it"
+    with open(small_tmpfs / "filler", "wb") as f:  # room left: half a checkpoint
+        f.write(b"\0" * (free - size // 2))
+    _expect_disk_full_then_resume(root, full_run)
+
+
+@pytest.mark.parametrize("fail_at", ["write", "fsync"])
+def test_disk_full_injected_at_the_system_call(saved, full_run, tmp_path, monkeypatch,
+                                               fail_at):
+    """os.write / os.fsync of files under --save fail with ENOSPC once half a checkpoint
+    is written (what a full disk does; an NFS server may report it only at fsync)."""
+    import contextlib
+
+    root, _ = _copy(saved, tmp_path)
+    budget = [os.path.getsize(os.path.join(root, "iter_0000002", "mp_rank_00", STATE)) // 2]
+    real_write, real_fsync = os.write, os.fsync
+
+    def under_root(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.realpath(root) + "/")
+        except OSError:
+            return False
+
+    def full_write(fd, data):
+        if not under_root(fd):
+            return real_write(fd, data)
+        if budget[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_write(fd, memoryview(data)[:budget[0]])   # a short write, then ENOSPC
+        budget[0] -= n
+        return n
+
+    def full_fsync(fd):
+        if under_root(fd) and os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    @contextlib.contextmanager
+    def patch():
+        with monkeypatch.context() as m:
+            if fail_at == "write":
+                m.setattr(os, "write", full_write)
+            else:
+                m.setattr(os, "fsync", full_fsync)
+            yield
+
+    _expect_disk_full_then_resume(root, full_run, patch)
+
+
+# --- permissions, links, durability --------------------------------------------------------
+def _save(root, iteration, optimizer_state=None, model_state=None):
+    """checkpointing.save_checkpoint of a small state, as Trainer.save calls it."""
+    args = parse_args([*FLAGS, "--save", str(root)])
+    return checkpointing.save_checkpoint(
+        str(root), iteration=iteration, consumed_samples=6 * iteration, args=args,
+        model_state=model_state if model_state is not None else {"w": torch.arange(4.0)},
+        optimizer_state=optimizer_state if optimizer_state is not None else {"step": 1},
+        scheduler_state={"num_steps": iteration})
+
+
+def _load(root) -> dict:
+    return checkpointing.load_checkpoint(str(root),
+                                         args=parse_args([*FLAGS, "--load", str(root)]))
+
+
+def _mode(path) -> int:
+    return os.lstat(path).st_mode & 0o777
+
+
+def test_files_are_0600_in_0700_directories(megatron_world, tmp_path):
+    root = tmp_path / "new" / "ckpt"   # missing: made 0700
+    old = os.umask(0)                 # whatever the umask
+    try:
+        _save(root, 3)
+    finally:
+        os.umask(old)
+    rank_dir = root / "iter_0000003" / "mp_rank_00"
+    assert {p: oct(_mode(p)) for p in (root, root / "iter_0000003", rank_dir)} == \
+        {p: "0o700" for p in (root, root / "iter_0000003", rank_dir)}
+    files = (rank_dir / STATE, rank_dir / (STATE + ".sha256.json"), root / TRACKER)
+    assert {p: oct(_mode(p)) for p in files} == {p: "0o600" for p in files}
+    assert _load(root)["iteration"] == 3
+
+
+@pytest.fixture
+def victims(tmp_path):
+    """A file and a directory a planted link points at; returns them and a check that
+    neither changed."""
+    victim_file = tmp_path / "victim.txt"
+    victim_file.write_bytes(b"precious")
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "keep").write_bytes(b"keep")
+    os.chmod(victim_file, 0o644)
+    os.chmod(victim_dir, 0o755)
+
+    def unchanged():
+        assert victim_file.read_bytes() == b"precious"
+        assert _mode(victim_file) == 0o644
+        assert os.listdir(victim_dir) == ["keep"]
+        assert (victim_dir / "keep").read_bytes() == b"keep"
+        assert _mode(victim_dir) == 0o755
+    return victim_file, victim_dir, unchanged
+
+
+def test_links_planted_in_the_save_directory_are_not_followed(megatron_world, tmp_path,
+                                                              victims):
+    """Links at the temporary iteration directory, the final one, the tracker and the
+    tracker's temporary names: the save replaces them (never writes through them)."""
+    victim_file, victim_dir, unchanged = victims
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(victim_dir, root / "iter_0000003.tmp")
+    os.symlink(victim_dir, root / "iter_0000003")
+    for name in (TRACKER + ".tmp", TRACKER + ".part", TRACKER):
+        os.symlink(victim_file, root / name)
+    _save(root, 3)
+    unchanged()
+    for name in ("iter_0000003", TRACKER):
+        assert not os.path.islink(root / name)
+    assert _load(root)["iteration"] == 3
+    # the --save directory itself may be a link: the user's choice
+    os.symlink(root, tmp_path / "via_link")
+    _save(tmp_path / "via_link", 4)
+    assert _load(tmp_path / "via_link")["iteration"] == 4
+
+
+def test_links_planted_during_the_save_are_not_followed(megatron_world, tmp_path, victims,
+                                                        monkeypatch):
+    """After the iteration directory is made and before the rank writes (a race with
+    someone who can write in --save): a link at the .part path is removed, not followed."""
+    victim_file, _, unchanged = victims
+    root = tmp_path / "ckpt"
+    real_barrier = checkpointing._barrier
+
+    def planting_barrier():
+        rank_dir = root / "iter_0000003.tmp" / "mp_rank_00"
+        if (root / "iter_0000003.tmp").is_dir() and not rank_dir.exists():
+            rank_dir.mkdir()
+            os.symlink(victim_file, rank_dir / (STATE + ".part"))
+        real_barrier()
+
+    monkeypatch.setattr(checkpointing, "_barrier", planting_barrier)
+    _save(root, 3)
+    unchanged()
+    assert _load(root)["iteration"] == 3
+
+
+def test_a_link_at_the_rank_directory_is_refused_naming_it(megatron_world, tmp_path, victims,
+                                                           monkeypatch):
+    from megatron_snake.storage.errors import UnsafePathError
+
+    _, victim_dir, unchanged = victims
+    root = tmp_path / "ckpt"
+    real_barrier = checkpointing._barrier
+    rank_dir = root / "iter_0000003.tmp" / "mp_rank_00"
+
+    def planting_barrier():
+        if (root / "iter_0000003.tmp").is_dir() and not os.path.lexists(rank_dir):
+            os.symlink(victim_dir, rank_dir)
+        real_barrier()
+
+    monkeypatch.setattr(checkpointing, "_barrier", planting_barrier)
+    with pytest.raises(UnsafePathError, match=re.escape(
+            f"checkpoint directory {rank_dir} is a symbolic link")):
+        _save(root, 3)
+    unchanged()
+    assert os.listdir(root) == [], "the partial iteration directory is removed"
+
+
+def test_every_rename_is_made_durable(megatron_world, tmp_path, monkeypatch):
+    """fsync of each file before its rename and of its directory after it: the rank
+    directory (state and checksum files), --save (iteration directory, tracker)."""
+    root = tmp_path / "ckpt"
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kwargs):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _save(root, 3)
+    monkeypatch.undo()
+    tmp, final = str(root / "iter_0000003.tmp"), str(root / "iter_0000003")
+    rank_dir = os.path.join(tmp, "mp_rank_00")
+    state = os.path.join(rank_dir, STATE)
+    checksum = state + ".sha256.json"
+    tracker = str(root / TRACKER)
+
+    def after(event, then):
+        i = events.index(event)
+        assert then in events[i + 1:], f"{then} after {event}: {events}"
+
+    def before(event, first):
+        assert first in events[:events.index(event)], f"{first} before {event}: {events}"
+
+    before(("replace", state + ".part", state), ("fsync", state + ".part"))
+    before(("replace", checksum + ".part", checksum), ("fsync", checksum + ".part"))
+    after(("replace", checksum + ".part", checksum), ("fsync", rank_dir))
+    after(("replace", state + ".part", state), ("fsync", rank_dir))
+    before(("replace", tmp, final), ("fsync", tmp))
+    # --save is fsynced after the iteration directory's rename, before the tracker names it
+    renamed = events.index(("replace", tmp, final))
+    assert ("fsync", str(root)) in events[renamed:events.index(("fsync", tracker + ".part"))]
+    before(("replace", tracker + ".part", tracker), ("fsync", tracker + ".part"))
+    after(("replace", tracker + ".part", tracker), ("fsync", str(root)))
