@@ -23,10 +23,12 @@ from megatron_snake.schedule.unit_store import UnitStore
 
 class OffloadedUnits(UnitStore):
     def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
-                 dtype: torch.dtype, tier: str = "nvme", pinned=()):
+                 dtype: torch.dtype, tier: str = "nvme", pinned=(), initial=None):
         """Moves the parameters' values into the store. Build ``optimizer`` first: it
         takes its fp32 master copy from the parameters; it then publishes its updated
-        weights here. ``pinned``: units whose records stay on the compute device."""
+        weights here. ``pinned``: units whose records stay on the compute device.
+        ``initial``: where the values are when the parameters were built out of memory
+        (``InitialWeights``)."""
         self.params, self.store, self.device = unit_params, store, device
         self.dtype, self.alpha, self.tier = dtype, optimizer.alpha, tier
         self.pinned = frozenset(pinned)
@@ -37,12 +39,16 @@ class OffloadedUnits(UnitStore):
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
         self._partial_grads: dict = {}  # layout key -> host sum of earlier snake groups
         self._shared_stale = False    # an update of the shared weights is not in place yet
+        previous: list = []
         for lay in unit_params.units:
-            flat = lay.gather(dtype=dtype)
-            for part, (lo, hi) in self.record_parts(lay):
-                store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
-                          kind="weights")
+            flat = initial.flat(lay, dtype=dtype) if initial is not None else \
+                lay.gather(dtype=dtype)
+            writes = [store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
+                                kind="weights") for part, (lo, hi) in self.record_parts(lay)]
             self._release_weights(lay)
+            for write in previous:   # at most two units' values in memory at once
+                write.wait()
+            previous = writes
         for lay in unit_params.all_layouts():
             for seg in lay.segments:
                 seg.param.register_post_accumulate_grad_hook(self._accumulate)
@@ -52,6 +58,17 @@ class OffloadedUnits(UnitStore):
     def _accumulate(self, param: torch.nn.Parameter) -> None:
         self._grad_views[id(param)].add_(param.grad.view(-1))
         param.grad = None
+
+    def _take_gradient(self, key):
+        """Layout ``key``'s gradient buffer (None if it has none), and its parameters' views
+        of it dropped: a view left behind would keep the whole buffer alive, so every unit's
+        gradient would stay in memory until the next step."""
+        grad = self._grads.pop(key, None)
+        if grad is not None:
+            lay = self.params.shared if key == SHARED else self.params.units[key]
+            for seg in lay.segments:
+                self._grad_views.pop(id(seg.param), None)
+        return grad
 
     def _start_gradients(self, lay) -> None:
         if lay.key in self._grads or not lay.segments:
@@ -140,7 +157,7 @@ class OffloadedUnits(UnitStore):
         lay = self.params.units[unit]
         if gradients_final:
             for owned in self.params.layouts_owned_by(unit):
-                grad = self._grads.pop(owned.key, None)
+                grad = self._take_gradient(owned.key)
                 if grad is not None:
                     held = self._partial_grads.pop(owned.key, None)
                     if held is not None:
@@ -155,7 +172,7 @@ class OffloadedUnits(UnitStore):
         device holds one unit's gradient at a time; the unit's next backward starts a fresh
         buffer, and the final release adds the two (the shared layout stays: its units
         span the whole sweep)."""
-        grad = self._grads.pop(key).to("cpu")
+        grad = self._take_gradient(key).to("cpu")
         held = self._partial_grads.get(key)
         self._partial_grads[key] = grad if held is None else held.add_(grad)
 

@@ -65,7 +65,10 @@ class OffloadedAdamW(HostAdamW):
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
-                 model_parallel_group=None, embedding_group=None):
+                 model_parallel_group=None, embedding_group=None, initial=None):
+        """``initial``: where the parameters' values are when they are not in memory
+        (``offload.initial_weights.InitialWeights``); by default they are read from the
+        parameters."""
         check_alpha(alpha)
         check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
@@ -110,13 +113,21 @@ class OffloadedAdamW(HostAdamW):
         self.update_s = self.blocked_s = 0.0
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
+        previous: list = []
         for key, lay in self.layouts.items():
-            master = lay.gather(device="cpu", dtype=torch.float32)  # the full flat
+            master = initial.flat(lay, dtype=torch.float32) if initial is not None else \
+                lay.gather(device="cpu", dtype=torch.float32)  # the full flat
+            writes = []
             for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
-                self.store.put(("master", key, part), master[lo:hi], tier=tier, kind="optim")
                 zeros = torch.zeros(hi - lo, dtype=torch.float32)
-                self.store.put(("exp_avg", key, part), zeros, tier=tier, kind="optim")
-                self.store.put(("exp_avg_sq", key, part), zeros, tier=tier, kind="optim")
+                writes += [self.store.put(("master", key, part), master[lo:hi], tier=tier,
+                                          kind="optim"),
+                           self.store.put(("exp_avg", key, part), zeros, tier=tier, kind="optim"),
+                           self.store.put(("exp_avg_sq", key, part), zeros, tier=tier,
+                                          kind="optim")]
+            for write in previous:   # at most two layouts' values in memory at once
+                write.wait()
+            previous = writes
         self.store.synchronize()
 
     # --- layout ----------------------------------------------------------------------

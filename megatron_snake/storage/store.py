@@ -238,7 +238,7 @@ class TensorStore:
     def __init__(self, offload_dir, rank=0, host_memory_limit=2 << 30, engine="auto",
                  device=None, buffer_bytes=DEFAULT_BUFFER_BYTES, queue_depth=32, io_threads=4,
                  workers=4, chunk_bytes=1 << 20, free_space_probe=None, write_probe=None,
-                 pin_memory=None):
+                 pin_memory=None, max_queued_bytes=None):
         self.run_id = uuid.uuid4().bytes
         self.device = torch.device(device) if device is not None else default_device()
         dir_kwargs = {}
@@ -274,6 +274,15 @@ class TensorStore:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
         self._direct_logged = False
+        # Back-pressure: a put holds its source tensor until it is copied out, so callers
+        # wait while the puts queued ahead of theirs hold more than this (default: the
+        # host pool's limit). Memory stays bounded when the drive is slower than the
+        # producer (gradients, updated weights) instead of growing with the model.
+        self.max_queued_bytes = host_memory_limit if max_queued_bytes is None \
+            else max_queued_bytes
+        self._queued_bytes = 0
+        self._queued_cv = threading.Condition()
+        self.queued_waits = 0      # puts that waited for the queue to drain
 
     # ================================================================ public API
 
@@ -285,6 +294,8 @@ class TensorStore:
         if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
             raise TypeError(f"put({key!r}): only dense strided tensors can be stored")
         tensor = tensor.detach()           # the store keeps bytes, never autograd history
+        nbytes = tensor.numel() * tensor.element_size()
+        self._reserve_queue(nbytes)
         ready = self._record_ready(tensor)
         with self._lock:
             self._seq += 1
@@ -296,7 +307,24 @@ class TensorStore:
             self._entries[key] = e
             fut = self._exec.submit(self._run_put, e, old, prev, tensor, tier, ready)
             e.last = fut
+        fut.add_done_callback(lambda _: self._release_queue(nbytes))
         return Handle(fut, self)
+
+    def _reserve_queue(self, nbytes: int) -> None:
+        """Wait until the queued puts leave room for ``nbytes`` more (one put is always let
+        through, however large, so nothing waits forever)."""
+        with self._queued_cv:
+            if self._queued_bytes and self._queued_bytes + nbytes > self.max_queued_bytes:
+                self.queued_waits += 1
+                while self._queued_bytes and \
+                        self._queued_bytes + nbytes > self.max_queued_bytes:
+                    self._queued_cv.wait()
+            self._queued_bytes += nbytes
+
+    def _release_queue(self, nbytes: int) -> None:
+        with self._queued_cv:
+            self._queued_bytes -= nbytes
+            self._queued_cv.notify_all()
 
     def get(self, key, device=None, dtype=None, out=None):
         """Read `key` back; wait() returns a new tensor, or `out` filled."""

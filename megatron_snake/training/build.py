@@ -19,6 +19,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
 from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.optim.adamw import HostAdamW
 from megatron_snake.training import offloaded_state
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
@@ -91,19 +92,23 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
               rank: int = 0, log: Callable[[str], None] = print) -> Iterator[Run]:
     """The run ``args`` describe, on ``device`` (Megatron's parallel state initialized).
     On exit the optimizer's pending updates land and the store's files are removed."""
-    gpt = build_gpt_model(args, vocab_size, device)
-    n_params = sum(p.numel() for p in gpt.parameters())
-    log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, schedule "
-        f"{schedule_name(args)}, {args.num_microbatches} micro-batches of "
-        f"{args.micro_batch_size} x {args.seq_length} tokens per step")
-    if args.bf16 or args.fp16:
-        gpt = Float16Module(gpt.config, gpt)
-    config = unwrap_model(gpt).config
     with offloaded_state.open_store(args, device, rank) as tensor_store:
+        # offloaded: each layer's values go to the store as soon as Megatron initialises
+        # them, so the model is never whole in memory
+        initial = InitialWeights(tensor_store) if args.snake_offload else None
+        gpt = build_gpt_model(args, vocab_size, device,
+                              on_built=initial.spill if initial else None)
+        n_params = sum(p.numel() for p in gpt.parameters())
+        log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, schedule "
+            f"{schedule_name(args)}, {args.num_microbatches} micro-batches of "
+            f"{args.micro_batch_size} x {args.seq_length} tokens per step")
+        if args.bf16 or args.fp16:
+            gpt = Float16Module(gpt.config, gpt)
+        config = unwrap_model(gpt).config
         state = None
         if args.snake_offload:
             state = offloaded_state.build_offloaded_state(args, unwrap_model(gpt), tensor_store,
-                                                          device)
+                                                          device, initial=initial)
             log(state.summary(args))
             log(f"> offload directory {tensor_store.dir.path}, I/O engine "
                 f"{tensor_store.engine.name}")

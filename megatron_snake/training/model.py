@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +66,31 @@ def layer_spec(args: argparse.Namespace):
     return get_gpt_layer_local_spec(normalization=args.normalization)
 
 
-def build_gpt_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPTModel:
+def _calling_after_init(layer_spec, on_built: Callable[[torch.nn.Module], None]):
+    """``layer_spec`` whose layer class calls ``on_built(layer)`` once Megatron has built
+    and initialised the layer (a subclass: names, state-dict keys and RNG use unchanged)."""
+    class Layer(layer_spec.module):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            on_built(self)
+
+    Layer.__name__ = Layer.__qualname__ = layer_spec.module.__name__
+    return dataclasses.replace(layer_spec, module=Layer)
+
+
+def build_gpt_model(args: argparse.Namespace, vocab_size: int, device: torch.device, *,
+                    on_built: Callable[[torch.nn.Module], None] | None = None) -> GPTModel:
+    """Megatron's GPTModel for this pipeline stage, on ``device``. ``on_built(module)`` is
+    called with each decoder layer as soon as it is built and then with the whole model:
+    a caller that moves the values out of memory (leaving meta tensors) keeps the build
+    to about one layer at a time."""
     config = transformer_config(args)
+    spec = layer_spec(args)
+    if on_built is not None:
+        spec = _calling_after_init(spec, on_built)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -78,6 +100,8 @@ def build_gpt_model(args: argparse.Namespace, vocab_size: int, device: torch.dev
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
+    if on_built is not None:
+        on_built(model)
     return model.to(device)
 
 

@@ -16,8 +16,10 @@ import torch
 
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
+from megatron_snake.storage.host_pool import return_freed_memory_to_the_os
 from megatron_snake.storage.sizes import mib
 from megatron_snake.storage.store import TensorStore
+from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
@@ -52,6 +54,8 @@ def open_store(args, device: torch.device, rank: int):
     if not (args.snake_offload or args.snake_activation_offload):
         yield None
         return
+    # host memory stays bounded only if what a unit frees leaves the process
+    return_freed_memory_to_the_os()
     made = None if args.snake_offload_dir else tempfile.mkdtemp(prefix="megatron_snake_")
     try:
         root = made or offload_dir_for_rank(args.snake_offload_dir, rank)
@@ -325,11 +329,15 @@ def _embedding_group(gpt):
     return None
 
 
-def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedState:
+def build_offloaded_state(args, gpt, store, device: torch.device, *,
+                          initial: InitialWeights | None = None) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
-    limit and that the drive has room for all of it first)."""
+    limit and that the drive has room for all of it first). ``initial``: the values of a
+    model built out of memory (``build_gpt_model(..., on_built=initial.spill)``)."""
     units = GPTUnits(gpt, args.snake_checkpoint_interval)
     params = UnitParams.of(units)
+    if initial is not None:   # the tied weights stay on the device for the whole run
+        initial.restore(params.shared, device)
     if args.snake_gpu_memory_limit is not None:
         need, unit = unit_working_set_bytes(args, params)
         if args.snake_gpu_memory_limit < need:
@@ -349,6 +357,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
     try:
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
         planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
+        if initial is not None:   # held until the state is built from them: counted too
+            planned += initial.nbytes
         saved = checkpoint_bytes_planned(args, full_numel * elem, 12 * numel) \
             if saves_to_offload_drive(args, store.dir.path) else 0
         try:
@@ -369,7 +379,9 @@ def build_offloaded_state(args, gpt, store, device: torch.device) -> OffloadedSt
                                tier=tiers.optimizer, dp=DataParallel.from_megatron(),
                                grad_scaler=grad_scaler(args),
                                model_parallel_group=_model_parallel_group(),
-                               embedding_group=_embedding_group(gpt))
+                               embedding_group=_embedding_group(gpt), initial=initial)
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=tiers.params, pinned=pinned)
+                             tier=tiers.params, pinned=pinned, initial=initial)
+    if initial is not None:
+        initial.drop()
     return OffloadedState(units, weights, optimizer, tiers, capacity)
