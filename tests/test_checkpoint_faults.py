@@ -438,3 +438,61 @@ def test_every_rename_is_made_durable(megatron_world, tmp_path, monkeypatch):
     assert ("fsync", str(root)) in events[renamed:events.index(("fsync", tracker + ".part"))]
     before(("replace", tracker + ".part", tracker), ("fsync", tracker + ".part"))
     after(("replace", tracker + ".part", tracker), ("fsync", str(root)))
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+from megatron_snake.training import checkpointing
+from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.loop import pretrain
+
+real_write, saves = checkpointing._write_state, []
+
+def write_then_die(path, state):
+    saves.append(path)
+    if len(saves) == 2:                      # the second save, half written: SIGKILL
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_write(path, state)
+
+checkpointing._write_state = write_then_die
+pretrain(parse_args(sys.argv[1:]))
+"""
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path):
+    """A process killed while it writes a checkpoint: the tracker still names the previous
+    one, which loads and resumes to the uninterrupted run's losses; the next save clears
+    what the killed one left."""
+    import signal
+    import sys
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--deterministic-mode",
+             "--device", "cpu", "--snake-offload", "--train-iters", "6", "--log-interval", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+    def run(*extra, code=None):
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        argv = ["-c", code, *flags, *extra] if code else \
+            [os.path.join(repo, "examples", "pretrain_gpt.py"), *flags, *extra]
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              env=env, timeout=600)
+
+    def losses(out):
+        return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out)]
+
+    full = losses(run().stdout)
+    ckpt = tmp_path / "ckpt"
+    killed = run("--save", str(ckpt), "--save-interval", "2", code=KILLED_MID_SAVE)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "iter_0000004.tmp").exists(), "the kill came mid-save"
+    resumed = run("--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert losses(resumed.stdout) == full[2:]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
