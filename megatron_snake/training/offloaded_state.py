@@ -104,6 +104,9 @@ def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> s
         held = [f"{tier} {mib(n)}" for tier, n in peak.items() if n]
         if held:
             parts.append(f"{label} peak (last step) " + ", ".join(held))
+    pool = store.pool
+    parts.append(f"host pool peak (cumulative) {mib(pool.peak_in_use * pool.buffer_bytes)} "
+                 f"of {mib(pool.limit_bytes)}")
     parts.append(f"prefetch wait (cumulative) {c.prefetch_wait_s:.2f} s")
     parts.append(f"other io wait (cumulative) {c.blocked_s - c.prefetch_wait_s:.2f} s")
     return " | ".join(parts)

@@ -48,10 +48,10 @@ def _peak_rss_bytes() -> int:
 
 
 def reset_peak_memory(device: torch.device) -> bool:
-    """Start a new peak. False where the OS cannot reset it (the peak is then cumulative)."""
+    """Start a new peak of the device's memory and of the host RSS. False where the OS
+    cannot reset the RSS peak (that figure is then cumulative)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return True
     try:  # "5" resets the peak resident set size (Documentation/filesystems/proc.rst)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -63,14 +63,15 @@ def reset_peak_memory(device: torch.device) -> bool:
 def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], int]:
     """This interval's memory figures for the log line, and the allocator's retry count now
     (the next interval's baseline)."""
+    rss = f"peak RSS (interval): {gib(_peak_rss_bytes())}"
     if device.type != "cuda":
-        return [f"peak RSS (interval): {gib(_peak_rss_bytes())}"], 0
+        return [rss], 0
     stats = torch.cuda.memory_stats(device)
     retries = stats.get("num_alloc_retries", 0)
     return [f"mem allocated (now): {gib(stats.get('allocated_bytes.all.current', 0))}",
             f"max allocated (interval): {gib(stats.get('allocated_bytes.all.peak', 0))}",
             f"max reserved (interval): {gib(stats.get('reserved_bytes.all.peak', 0))}",
-            f"alloc retries (interval): {retries - retries_before}"], retries
+            f"alloc retries (interval): {retries - retries_before}", rss], retries
 
 
 class TrainLog:
@@ -135,8 +136,9 @@ class TrainLog:
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")
         memory, self._retries = memory_fields(self.device, self._retries)
-        if not self._peak_resets:
-            memory = [m.replace("(interval)", "(cumulative)") for m in memory]
+        if not self._peak_resets:   # the OS kept the RSS peak: say it is cumulative
+            memory = [m.replace("(interval)", "(cumulative)") if m.startswith("peak RSS")
+                      else m for m in memory]
         parts += [f"number of skipped iterations: {self._skipped:3d}",
                   f"number of nan iterations: {self._nan:3d}", *memory]
         if extra:
