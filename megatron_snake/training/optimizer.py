@@ -11,6 +11,10 @@ import argparse
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.optim.dp_shards import DataParallel
+from megatron_snake.optim.zenflow import ZenFlowAdamW
+
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(
@@ -43,10 +47,6 @@ def build_optimizer(args: argparse.Namespace, model):
 def build_zenflow_optimizer(args: argparse.Namespace, model):
     """--snake-zenflow: ZenFlow's split AdamW over ``model``'s parameters (Megatron's DDP
     accumulates and all-reduces their gradients in ``main_grad``) and the LR schedule."""
-    from megatron_snake.models.gpt_units import unwrap_model
-    from megatron_snake.optim.dp_shards import DataParallel
-    from megatron_snake.optim.zenflow import ZenFlowAdamW
-
     optimizer = ZenFlowAdamW(unwrap_model(model).named_parameters(), lr=args.lr,
                              weight_decay=args.weight_decay, beta1=args.adam_beta1,
                              beta2=args.adam_beta2, eps=args.adam_eps,

@@ -27,6 +27,7 @@ from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import (horizontal_forward_backward,
                                               vertical_forward_backward)
+from megatron_snake.training.offloaded_state import unit_working_set_bytes
 
 @dataclass
 class StepResult:
@@ -90,8 +91,6 @@ def activation_offload_forward_backward(model, microbatches, *, offloader,
 def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
     """The planner for ``--snake-activation-tier auto``: the GPU budget for checkpoints is
     ``--snake-gpu-memory-limit`` less the largest unit's working set and the pinned units."""
-    from megatron_snake.training.offloaded_state import unit_working_set_bytes
-
     gpu_budget = None
     if args.snake_gpu_memory_limit is not None and weights is not None:
         gpu_budget = args.snake_gpu_memory_limit - \
