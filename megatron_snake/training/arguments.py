@@ -219,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(pinned: not re-read each sweep). Default: no check, nothing pinned")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
+    g.add_argument("--snake-dry-run", action="store_true",
+                   help="with --snake-offload: print the pre-flight (the bytes each tier "
+                        "needs: the device's working set, host memory, drive space), check "
+                        "it, and exit before the model is built")
     g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
                    help="how offloaded bytes reach the drive: auto (native io_uring, else "
                         "the native thread pool, else Python), uring, threads (the native "
@@ -378,6 +382,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
                   "--snake-offload or drop the flag")
         if args.snake_offload and getattr(args, attr) is None:
             setattr(args, attr, default)
+    if args.snake_dry_run and not args.snake_offload:
+        _fail(parser, "--snake-dry-run", "estimates --snake-offload's run; add "
+              "--snake-offload or drop the flag")
     _validate_io_engine(args, parser)
     if args.snake_offload:
         _check(parser, check_alpha, args.snake_alpha)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_snake.models.gpt_units import unwrap_model
-from megatron_snake.training import checkpointing, distributed, offloaded_state
+from megatron_snake.training import (checkpointing, distributed, offloaded_state,
+                                     preflight)
 from megatron_snake.training.build import Run, build_run
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -196,6 +197,10 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     log = TrainLog(args, vocab, device, rank=rank)
+    if args.snake_offload:  # the bytes each tier needs, refused before the model is built
+        preflight.run(args, vocab, rank=rank, log=log.print)
+        if args.snake_dry_run:
+            return []
     with build_run(args, device, vocab, rank=rank, log=log.print) as run:
         train_ds, valid_ds, _ = build_gpt_datasets(
             mock=args.mock_data, data_path=args.data_path, split=args.split,

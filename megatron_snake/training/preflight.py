@@ -1,0 +1,434 @@
+"""Pre-flight of an offloaded run, from the flags alone: the bytes each tier needs (the
+compute device's working set, host memory, and drive space for weights, gradients, master
+weights, moments, unit inputs and ``--save`` checkpoints), printed and checked before
+anything is allocated. Arithmetic on the model's shapes: seconds for any model size.
+
+The parameter counts are those of Megatron-Core's ``GPTModel`` with the local layer spec
+(``get_gpt_layer_local_spec``), per unit of this rank's pipeline stage and tensor-parallel
+shard. The tiers, pinned units, host buffers and drive plan are computed by the very
+functions ``offloaded_state.build_offloaded_state`` runs on the built model, given
+shape-only stand-ins for its flat layouts, so the two agree by construction.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from megatron_snake.optim.dp_shards import DataParallel
+from megatron_snake.optim.offloaded_adamw import part_bounds
+from megatron_snake.storage import directory
+from megatron_snake.storage.errors import CapacityError, HostMemoryError
+from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, check_host_memory_limit
+from megatron_snake.storage.sizes import gib, mib
+from megatron_snake.storage.swap_file import REC_HEADER_BYTES
+from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, check_host_memory,
+                                                     checkpoint_bytes_per_step,
+                                                     checkpoint_bytes_planned,
+                                                     host_buffers_needed, nvme_bytes,
+                                                     offload_dir_for_rank,
+                                                     resolve_state_tiers,
+                                                     saves_to_offload_drive, units_to_pin,
+                                                     unit_working_set_bytes)
+
+
+# --- parameter counts ------------------------------------------------------------------
+
+def _divide(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"--tensor-model-parallel-size {parts} does not divide {what} "
+                         f"({n}); Megatron-Core needs an even split")
+    return n // parts
+
+
+def layer_parameters(args, tp: int = 1) -> int:
+    """One decoder layer of the local spec on one tensor-parallel rank: column-parallel
+    weights and biases (QKV, fc1) and row-parallel weights (proj, fc2) are split over the
+    ``tp`` ranks; row-parallel biases and the layer norms are whole on every rank."""
+    h, heads, groups = args.hidden_size, args.num_attention_heads, args.num_query_groups
+    kv = args.kv_channels or h // heads
+    bias = not args.disable_bias_linear
+    norm = h * (2 if args.normalization == "LayerNorm" else 1)   # weight (+ bias)
+    qkv_out = _divide((heads + 2 * groups) * kv, tp, "the QKV projection's outputs")
+    proj_in = _divide(heads * kv, tp, "the attention output projection's inputs")
+    fc1_out = _divide(args.ffn_hidden_size * (2 if args.swiglu else 1), tp,
+                      "--ffn-hidden-size (x2 with --swiglu)")
+    fc2_in = _divide(args.ffn_hidden_size, tp, "--ffn-hidden-size")
+    return (norm + qkv_out * h + (qkv_out if bias else 0) + h * proj_in + (h if bias else 0)
+            + norm + fc1_out * h + (fc1_out if bias else 0) + h * fc2_in + (h if bias else 0))
+
+
+def _embedding_parameters(args, vocab_size: int, tp: int = 1) -> tuple[int, int]:
+    """(word embedding, learned position embedding) of one tensor-parallel rank."""
+    word = _divide(vocab_size, tp, "the padded vocabulary") * args.hidden_size
+    position = args.max_position_embeddings * args.hidden_size \
+        if args.position_embedding_type == "learned_absolute" else 0
+    return word, position
+
+
+@dataclass(frozen=True)
+class UnitCounts:
+    """Parameters of one rank's pipeline stage and tensor-parallel shard, the way
+    ``UnitParams.of(GPTUnits(gpt, --snake-checkpoint-interval))`` lays them out: ``units[u]``
+    counts what unit ``u`` alone reads, ``shared`` what several units read (a tied
+    embedding with one stage: the first and the last unit)."""
+
+    units: tuple[int, ...]
+    shared: int
+
+    @property
+    def total(self) -> int:
+        """``sum(p.numel() for p in gpt.parameters())`` of this rank."""
+        return sum(self.units) + self.shared
+
+
+def gpt_parameter_counts(args, vocab_size: int, *, tp_rank: int = 0,
+                         pp_rank: int = 0) -> UnitCounts:
+    """Per-unit parameter counts of pipeline stage ``pp_rank``, tensor shard ``tp_rank``
+    (every shard is the same size: Megatron splits evenly), as Megatron-Core builds them."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if not 0 <= tp_rank < tp or not 0 <= pp_rank < pp:
+        raise ValueError(f"rank (tp {tp_rank}, pp {pp_rank}) is outside TP {tp} x PP {pp}")
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    layers = args.num_layers // pp
+    interval = args.snake_checkpoint_interval
+    per_layer = layer_parameters(args, tp)
+    units = [per_layer * min(interval, layers - start) for start in range(0, layers, interval)]
+    units = units or [0]
+    word, position = _embedding_parameters(args, vocab_size, tp)
+    tied = not args.untie_embeddings_and_output_weights
+    shared = 0
+    if first:
+        units[0] += position
+        if tied and last and len(units) > 1:
+            shared = word        # read by the embedding (unit 0) and the head (the last)
+        else:
+            units[0] += word
+    if last:
+        units[-1] += args.hidden_size * (2 if args.normalization == "LayerNorm" else 1)
+        if not tied or not first:
+            # untied: its own output layer; tied over stages: the last stage's copy
+            units[-1] += word
+    return UnitCounts(tuple(units), shared)
+
+
+def fp32_at_build(args, *, pp_rank: int = 0) -> int:
+    """Parameters of stage ``pp_rank`` (any tensor shard) that Megatron-Core's local spec
+    creates in fp32 whatever ``--bf16`` / ``--fp16`` say (torch's LayerNorm / RMSNorm and the
+    learned position embedding take torch's default dtype), until ``Float16Module`` casts
+    the model: what the initial weights spilled during the build hold in 4 bytes."""
+    norm = args.hidden_size * (2 if args.normalization == "LayerNorm" else 1)
+    count = 2 * norm * (args.num_layers // args.pipeline_model_parallel_size)
+    if pp_rank == args.pipeline_model_parallel_size - 1:
+        count += norm
+    if pp_rank == 0:
+        count += _embedding_parameters(args, 0)[1]
+    return count
+
+
+def gpt_parameter_total(args, vocab_size: int) -> int:
+    """The whole model's parameters (all stages, unsharded; a tied embedding once)."""
+    word, position = _embedding_parameters(args, vocab_size)
+    norm = args.hidden_size * (2 if args.normalization == "LayerNorm" else 1)
+    output = word if args.untie_embeddings_and_output_weights else 0
+    return args.num_layers * layer_parameters(args) + word + position + norm + output
+
+
+# --- shape-only stand-ins for UnitParams ---------------------------------------------
+
+@dataclass(frozen=True)
+class _Layout:
+    """What offloaded_state's planning functions read of a ``FlatLayout``: its size, and
+    whether it has segments."""
+
+    numel: int
+
+    @property
+    def segments(self) -> tuple:
+        return (self.numel,) if self.numel else ()
+
+
+@dataclass(frozen=True)
+class _UnitParams:
+    units: tuple[_Layout, ...]
+    shared: _Layout
+
+
+def host_buffers_for(nbytes: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> int:
+    """The store's rule (``TensorStore.host_buffers_for``): a record takes whole buffers,
+    each holding ``buffer_bytes - REC_HEADER_BYTES`` of it."""
+    return -(-int(nbytes) // (buffer_bytes - REC_HEADER_BYTES))
+
+
+# --- the pre-flight --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preflight:
+    """Bytes one rank's offloaded run needs per tier, from the flags. The drive figures
+    are the start check's (``build_offloaded_state``): ``numel`` is this rank's share,
+    ceil(parameters / data-parallel size), of every parameter of its stage and shard."""
+
+    params_total: int            # the whole model (all stages, unsharded)
+    counts: UnitCounts           # this rank's stage and tensor shard, per unit
+    ranks: tuple                 # (tp, TP, pp, PP, dp, DP)
+    elem: int                    # bytes per working weight: 2 with --bf16 / --fp16, else 4
+    tiers: StateTiers            # weights and optimizer state, auto resolved
+    unit_input_tier: str         # --snake-activation-tier
+    # device
+    working_set: int             # the largest unit's: what --snake-gpu-memory-limit must hold
+    working_set_unit: int
+    prefetch: int                # the next unit's weights, read while one computes
+    pinned_units: tuple          # units kept on the device (--snake-gpu-memory-limit)
+    pinned: int                  # their records' bytes
+    device_unit_inputs: int      # the step's unit inputs when they may stay on the device
+    # host
+    pool_bytes: int              # --snake-host-memory-limit
+    pool_buffers: int
+    buffer_bytes: int
+    host_buffers: HostBuffers    # pool buffers each part would hold on the host tier
+    optimizer_update: int        # outside the pool: fp32 master, moments, gradient of a part
+    partial_gradients: int       # outside the pool: fp32 unit gradients between snake groups
+    # drive
+    nvme_weights: int
+    nvme_optimizer: int          # fp32 master weights and two moments: 12 B per parameter
+    nvme_gradients: int          # fp32: 4 B per parameter
+    nvme_unit_inputs: int
+    nvme_initial: int            # the initial weights: spilled while Megatron builds the model
+                                 # (InitialWeights), held until the state is made from them
+    checkpoints: int             # every --save checkpoint the run keeps (0 without --save)
+    checkpoints_on_drive: bool   # --save is on the offload drive: they count there
+    offload_path: str            # the offload directory (this rank's), or the temporary one
+    offload_dir_given: bool
+
+    @property
+    def params_rank(self) -> int:
+        return self.counts.total
+
+    @property
+    def device_bytes(self) -> int:
+        return self.working_set + self.prefetch + self.pinned + self.device_unit_inputs
+
+    def _on_host(self) -> list[tuple[str, int]]:
+        h, t = self.host_buffers, self.tiers
+        return [(name, n) for name, n, host in (
+            ("weights", h.weights, t.params == "host"),
+            ("optimizer state and gradients", h.optimizer, t.optimizer == "host"),
+            ("unit inputs", h.unit_inputs, self.unit_input_tier == "host")) if host and n]
+
+    @property
+    def host_buffers_used(self) -> int:
+        """Pool buffers the host tiers hold, and one always free for staging (the count
+        ``check_host_memory`` compares with the pool)."""
+        return sum(n for _, n in self._on_host()) + 1
+
+    @property
+    def host_working_set(self) -> int:
+        return self.optimizer_update + self.partial_gradients
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool_bytes + self.host_working_set
+
+    @property
+    def drive_planned(self) -> int:
+        return self.nvme_weights + self.nvme_optimizer + self.nvme_gradients + \
+            self.nvme_unit_inputs + self.nvme_initial + \
+            (self.checkpoints if self.checkpoints_on_drive else 0)
+
+    @property
+    def drive_needed(self) -> int:
+        """Free space the offload directory asks for (``RankDir.check_capacity``'s margin)."""
+        planned = self.drive_planned
+        return int(planned * (1 + directory.MARGIN_FRACTION)) + directory.MARGIN_BYTES \
+            if planned else 0
+
+    def drive_label(self) -> str:
+        return (f"--snake-offload-dir {self.offload_path}" if self.offload_dir_given else
+                f"the temporary directory {self.offload_path} (no --snake-offload-dir)")
+
+    def drive_parts(self) -> str:
+        t = self.tiers
+        parts = [f"weights {_size(self.nvme_weights)}" if t.params == "nvme" else "",
+                 f"master weights + moments {_size(self.nvme_optimizer)}, fp32 gradients "
+                 f"{_size(self.nvme_gradients)}" if t.optimizer == "nvme" else "",
+                 f"unit inputs {_size(self.nvme_unit_inputs)}" if self.nvme_unit_inputs else "",
+                 f"initial weights while the state is built {_size(self.nvme_initial)}"
+                 if self.nvme_initial else "",
+                 f"--save checkpoints {_size(self.checkpoints)}"
+                 if self.checkpoints_on_drive else ""]
+        return ", ".join(p for p in parts if p) or "nothing"
+
+    def summary(self, free_bytes: int | None = None) -> str:
+        """Megatron-style start lines: the counts, then each tier's bytes."""
+        tp, TP, pp, PP, dp, DP = self.ranks
+        t = self.tiers
+        shared = f" (of them {self.counts.shared:,} shared by the first and last: tied)" \
+            if self.counts.shared else ""
+        pinned = f"; pinned units {list(self.pinned_units)} {_size(self.pinned)}" \
+            if self.pinned_units else "; nothing pinned"
+        if self.device_unit_inputs:
+            pinned += f"; the step's unit inputs {_size(self.device_unit_inputs)}" + \
+                (" at most (auto)" if self.unit_input_tier == "auto" else "")
+        outside = f"the optimizer's update {_size(self.optimizer_update)}"
+        if self.partial_gradients:
+            outside += f", partial gradients of the snake groups {_size(self.partial_gradients)}"
+        free = "" if free_bytes is None else f", {_size(free_bytes)} free"
+        saved = ""
+        if self.checkpoints and not self.checkpoints_on_drive:
+            saved = f"; --save checkpoints {_size(self.checkpoints)} on another drive"
+        return "\n".join([
+            f"> pre-flight (from the flags, before anything is allocated): "
+            f"{self.params_total:,} parameters ({_count(self.params_total)}); this rank "
+            f"(tensor shard {tp + 1}/{TP}, pipeline stage {pp + 1}/{PP}, data-parallel "
+            f"shard {dp + 1}/{DP}): {self.params_rank:,} parameters in "
+            f"{len(self.counts.units)} unit(s){shared}, {self.elem}-byte working weights",
+            f"> pre-flight device: {_size(self.device_bytes)} (working set of unit "
+            f"{self.working_set_unit} {_size(self.working_set)}: its weights and fp32 "
+            f"gradient, the tied weights, one micro-batch's checkpoints; the next unit "
+            f"prefetched {_size(self.prefetch)}{pinned}); activations inside a unit come on "
+            "top",
+            f"> pre-flight host: {_size(self.host_bytes)} (pool {_size(self.pool_bytes)}: "
+            f"{self.pool_buffers} buffers of {mib(self.buffer_bytes)}, the host tiers hold "
+            f"{self.host_buffers_used} ("
+            + ", ".join([f"{name} {n}" for name, n in self._on_host()] + ["1 for staging"])
+            + f"); outside the pool: {outside})",
+            f"> pre-flight drive, {self.drive_label()}: {_size(self.drive_planned)} planned "
+            f"({self.drive_parts()}; weights on {t.params}, optimizer state on "
+            f"{t.optimizer}, unit inputs on {self.unit_input_tier}){saved}; "
+            f"{_size(self.drive_needed)} needed with the {directory.MARGIN_FRACTION:.0%} + "
+            f"{directory.MARGIN_BYTES >> 20} MiB margin{free}",
+        ])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
+
+
+def _size(n: int) -> str:
+    return gib(n) if n >= 1 << 30 else mib(n)
+
+
+def offload_path(args, rank: int = 0) -> str:
+    """The directory the store will use: ``--snake-offload-dir`` for this rank, or the
+    directory temporary ones are made in."""
+    if args.snake_offload_dir:
+        return os.path.abspath(offload_dir_for_rank(args.snake_offload_dir, rank))
+    return tempfile.gettempdir()
+
+
+def drive_free_bytes(path: str) -> int | None:
+    """Free bytes of the file system of ``path`` (None when it does not exist: the store
+    then refuses it with its own error)."""
+    return directory.disk_free_bytes(path) if os.path.isdir(path) else None
+
+
+def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
+             rank: int = 0) -> Preflight:
+    """This rank's pre-flight from validated flags (``--snake-offload``) and the padded
+    vocabulary: arithmetic only, plus a stat of the offload directory for ``--save``."""
+    counts = gpt_parameter_counts(args, vocab_size, tp_rank=tp_rank, pp_rank=pp_rank)
+    params = _UnitParams(tuple(_Layout(n) for n in counts.units), _Layout(counts.shared))
+    dp = DataParallel(dp_rank, args.data_parallel_size)
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    working_set, unit = unit_working_set_bytes(args, params)
+    pinned = units_to_pin(args, params, dp.size)
+    pool_buffers = check_host_memory_limit(args.snake_host_memory_limit, DEFAULT_BUFFER_BYTES)
+    need = host_buffers_needed(args, params, dp, pinned, host_buffers_for)
+    tiers = resolve_state_tiers(args, need, pool_buffers)
+    numel = -(-counts.total // dp.size)
+    ckpt = checkpoint_bytes_per_step(args)
+    path = offload_path(args, rank)
+    planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)
+    pf_parts = dict(
+        nvme_weights=numel * elem if tiers.params == "nvme" else 0,
+        nvme_optimizer=12 * numel if tiers.optimizer == "nvme" else 0,
+        nvme_gradients=4 * numel if tiers.optimizer == "nvme" else 0,
+        nvme_unit_inputs=ckpt if args.snake_activation_tier == "nvme" else 0)
+    assert sum(pf_parts.values()) == planned, (pf_parts, planned)
+    # build_run builds the model through InitialWeights (tier nvme): every parameter of
+    # this rank, in the dtype Megatron creates it in, is on the drive until the state is
+    # built from it
+    fp32 = fp32_at_build(args, pp_rank=pp_rank)
+    pf_parts["nvme_initial"] = (counts.total - fp32) * elem + fp32 * 4
+    parts = [part_bounds(lay.numel, args.snake_alpha, dp) for lay in params.units]
+    groups = args.num_microbatches // (1 if args.snake_schedule == "horizontal"
+                                       else args.snake_group_size or args.num_microbatches)
+    largest_part = max((hi - lo for lay in params.units + (params.shared,)
+                        for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp)), default=0)
+    return Preflight(
+        params_total=gpt_parameter_total(args, vocab_size), counts=counts,
+        ranks=(tp_rank, args.tensor_model_parallel_size, pp_rank,
+               args.pipeline_model_parallel_size, dp_rank, dp.size),
+        elem=elem, tiers=tiers, unit_input_tier=args.snake_activation_tier,
+        working_set=working_set, working_set_unit=unit,
+        prefetch=max(counts.units) * elem, pinned_units=tuple(pinned),
+        pinned=sum(hi - lo for u in pinned for lo, hi in parts[u]) * elem,
+        device_unit_inputs=ckpt if args.snake_activation_tier in ("device", "auto") else 0,
+        pool_bytes=args.snake_host_memory_limit, pool_buffers=pool_buffers,
+        buffer_bytes=DEFAULT_BUFFER_BYTES, host_buffers=need,
+        optimizer_update=16 * largest_part,
+        partial_gradients=4 * sum(counts.units) if groups > 1 else 0,
+        **pf_parts,
+        checkpoints=checkpoint_bytes_planned(args, counts.total * elem, 12 * numel)
+        if args.save else 0,
+        checkpoints_on_drive=os.path.isdir(path) and saves_to_offload_drive(args, path),
+        offload_path=path, offload_dir_given=bool(args.snake_offload_dir))
+
+
+def check(preflight: Preflight, args, free_bytes: int | None) -> None:
+    """Refuse a plan a tier cannot hold, before anything is allocated: one error naming
+    the flag to change and the amount (the first tier's type when several fail, with every
+    message). ``free_bytes``: the offload drive's free space (None: not checked)."""
+    pf, errors = preflight, []
+    limit = args.snake_gpu_memory_limit
+    if limit is not None and limit < pf.working_set:
+        errors.append(ValueError(
+            f"--snake-gpu-memory-limit {mib(limit)} is below the working set of unit "
+            f"{pf.working_set_unit} ({mib(pf.working_set)}: its weights and fp32 gradient, "
+            f"the tied weights, one micro-batch's checkpoints); the minimum is "
+            f"{pf.working_set} bytes. Raise the limit or lower --snake-checkpoint-interval."))
+    try:
+        check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
+    except HostMemoryError as exc:
+        errors.append(exc)
+    if free_bytes is not None and pf.drive_needed > free_bytes:
+        message = (
+            f"{pf.drive_label()}: the run needs {_size(pf.drive_needed)} of drive space in "
+            f"all ({_size(pf.drive_planned)} planned: {pf.drive_parts()}; with the "
+            f"{directory.MARGIN_FRACTION:.0%} + {directory.MARGIN_BYTES >> 20} MiB margin), "
+            f"{_size(free_bytes)} is free: free {_size(pf.drive_needed - free_bytes)} more, "
+            "or point --snake-offload-dir at a larger drive.")
+        if pf.checkpoints_on_drive:
+            message += (f" (This counts {_size(pf.checkpoints)} of --save checkpoints on the "
+                        "same file system: every saved iteration is kept; raise "
+                        "--save-interval or save to another drive.)")
+        errors.append(CapacityError(message))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise type(errors[0])("\n".join(str(e) for e in errors))
+
+
+def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
+    """``pretrain``'s pre-flight, after the process groups and before the model: this
+    rank's figures, printed (by ``log``), then refused together on every rank when a tier
+    does not fit."""
+    from megatron.core import parallel_state
+
+    from megatron_snake.training import distributed
+
+    error, pf = None, None
+    try:
+        pf = estimate(args, vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                      pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                      dp_rank=parallel_state.get_data_parallel_rank(), rank=rank)
+        free = drive_free_bytes(pf.offload_path)
+        log(pf.summary(free))
+        check(pf, args, free)
+    except (OSError, ValueError, RuntimeError) as exc:
+        error = exc
+    distributed.raise_unless_all_ranks_ok(error, "pre-flight of the offloaded run")
+    return pf
