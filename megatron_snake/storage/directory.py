@@ -218,10 +218,11 @@ class RankDir:
         if need > free:
             raise CapacityError(
                 f"--snake-offload-dir {self.root} (rank {self.rank}): the run places "
-                f"{_gib(nbytes_planned)} on NVMe and needs {_gib(need)} more free space "
-                f"(with a {margin_fraction:.0%} + {margin_bytes >> 20} MiB margin), but only "
-                f"{_gib(free)} is free on that file system. Free {_gib(need - free)} or point "
-                "--snake-offload-dir at a larger drive.")
+                f"{_gib(nbytes_planned)} on NVMe and needs {_gib(need)} of free space for "
+                f"what its files do not hold yet (with a {margin_fraction:.0%} + "
+                f"{margin_bytes >> 20} MiB margin), but only {_gib(free)} is free on that "
+                f"file system: free {_gib(need - free)} more, or point --snake-offload-dir at "
+                "a larger drive.")
         return need, free
 
     # ------------------------------------------------------------ cleanup
