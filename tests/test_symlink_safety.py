@@ -15,6 +15,7 @@ import os
 import stat
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -329,3 +330,36 @@ def test_write_file_atomically(tmp_path, victim_file):
     assert not os.path.lexists(str(path) + ".part")
     write_file_atomically(str(path), b"again")        # replaces the file of the last write
     assert path.read_bytes() == b"again"
+
+
+def test_data_cache_entry_is_private_and_never_a_planted_link(tmp_path):
+    """Megatron reads its dataset index caches back with numpy's pickle-enabled loader, so
+    the cache directory a run uses is a real 0700 directory of this user's: a link planted
+    where it would go (in a shared --data-cache-path) is refused, naming it."""
+    from megatron_snake.storage.errors import UnsafePathError
+    from megatron_snake.training.data import _data_fingerprint, build_gpt_datasets
+    from megatron_snake.training.tokenizer import ByteTokenizer
+
+    prefix = tmp_path / "data" / "text"
+    prefix.parent.mkdir()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=numpy.int32)
+    for doc in range(40):
+        builder.add_document(torch.arange(doc % 7 + 20, dtype=torch.int32), [doc % 7 + 20])
+    builder.finalize(str(prefix) + ".idx")
+    shared = tmp_path / "shared_cache"
+    shared.mkdir()
+    kwargs = dict(mock=False, data_path=[str(prefix)], split="80,10,10", seq_length=8,
+                  seed=1, tokenizer=ByteTokenizer(), num_samples=(8, 2, 2),
+                  data_cache_path=str(shared))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    entry = shared / _data_fingerprint([str(prefix)])
+    entry.symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="--data-cache-path entry .* symbolic link"):
+        build_gpt_datasets(**kwargs)
+    assert list(victim.iterdir()) == []
+    entry.unlink()
+    build_gpt_datasets(**kwargs)
+    assert entry.is_dir() and not entry.is_symlink()
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o700

@@ -22,6 +22,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_snake.storage.safe_files import private_dir
+
 GPT_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
@@ -271,9 +273,13 @@ def build_gpt_datasets(
         prefixes, weights = parse_data_path(data_path)
         _check_splits_nonempty(prefixes, split, mmap_bin_files)
         blend = (prefixes, weights)
-        path_to_cache = os.path.join(
-            data_cache_path or default_data_cache_path(), _data_fingerprint(prefixes)
-        )
+        cache_root = data_cache_path or default_data_cache_path()
+        # Megatron reads its index caches back with numpy's pickle-enabled loader: the run
+        # uses a cache directory only when it is a real one of this user's, mode 0700, so
+        # nobody else can plant a file in it (the root the user names may be shared)
+        os.makedirs(cache_root, exist_ok=True)
+        path_to_cache = os.path.join(cache_root, _data_fingerprint(prefixes))
+        private_dir(path_to_cache, what="--data-cache-path entry")
         cls = GPTDataset
         if weights is not None and any(n is None for n in num_samples):
             raise ValueError(
