@@ -159,7 +159,7 @@ def test_tiers_move_and_replace(tmp_path):
 def test_forwarding_serves_a_pending_put_from_memory(tmp_path):
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
         gate = threading.Event()
-        s._exec.submit(gate.wait)          # the only worker is busy: the put cannot start
+        s._writers.submit(gate.wait)       # the only writer is busy: the put cannot start
         t = torch.randn(1000)
         h_put = s.put("x", t, tier="nvme")
         h_get = s.get("x")
@@ -177,7 +177,7 @@ def test_synchronize_waits_for_deletes(tmp_path):
         s.put("h", torch.randn(50000), tier="host").wait()
         s.put("n", torch.randn(50000), tier="nvme").wait()
         gate = threading.Event()
-        s._exec.submit(gate.wait)              # the only worker is busy: the deletes queue
+        s._writers.submit(gate.wait)           # the only writer is busy: the deletes queue
         s.delete("h")
         s.delete("n")
         threading.Timer(0.2, gate.set).start()
@@ -227,3 +227,20 @@ def test_quantized_and_sparse_are_refused(tmp_path):
             s.put("sp", torch.eye(3).to_sparse())
         with pytest.raises(ValueError, match="unknown tier"):
             s.put("x", torch.ones(1), tier="ssd")
+
+
+def test_a_read_issued_after_a_large_write_completes_before_it(tmp_path):
+    """Reads have their own workers: the next unit's weights are never queued behind a
+    background write of hundreds of MB (one worker each way, so a shared queue would run
+    the write first)."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
+        small = torch.randn(BUF // 8)
+        s.put("next unit", small, tier="nvme").wait()
+        done = []
+        big = s.put("gradient", torch.randn(64 * BUF // 4), tier="nvme")   # 64 buffers
+        big._future.add_done_callback(lambda _: done.append("write"))
+        read = s.get("next unit")
+        assert torch.equal(read.wait(), small)
+        done.append("read")
+        big.wait()
+        assert done == ["read", "write"]

@@ -267,7 +267,14 @@ class TensorStore:
         self._lock = threading.Lock()
         self._seq = 0
         self._deleting = set()     # futures of deletes not yet done (their entries are gone)
-        self._exec = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snake-store")
+        # Reads and writes have their own workers, so a read needed soon (the next unit's
+        # weights) never queues behind hundreds of MB of background writes. Each pool is
+        # first-in first-out and an operation waits only for the one before it on its key,
+        # which was submitted earlier: the oldest unfinished operation can always run.
+        self._readers = ThreadPoolExecutor(max_workers=workers,
+                                           thread_name_prefix="snake-store-read")
+        self._writers = ThreadPoolExecutor(max_workers=workers,
+                                           thread_name_prefix="snake-store-write")
         self._cuda = torch.cuda.is_available() and self.device.type == "cuda"
         self._d2h = self._h2d = None      # copy streams (CUDA only); None = current stream
         if self._cuda:
@@ -305,7 +312,7 @@ class TensorStore:
             e.source, e.ready = tensor, ready
             prev = old.last if old is not None else None
             self._entries[key] = e
-            fut = self._exec.submit(self._run_put, e, old, prev, tensor, tier, ready)
+            fut = self._writers.submit(self._run_put, e, old, prev, tensor, tier, ready)
             e.last = fut
         fut.add_done_callback(lambda _: self._release_queue(nbytes))
         return Handle(fut, self)
@@ -344,9 +351,10 @@ class TensorStore:
                 # forwarding: the put is still writing; serve it from memory right now
                 return Handle(_Done(self._run_forward(source, None, None, dst, result)), self)
             if source is not None:           # forwarding, CUDA: on the copy stream
-                fut = self._exec.submit(self._run_forward, source, e.ready, free, dst, result)
+                fut = self._readers.submit(self._run_forward, source, e.ready, free, dst,
+                                           result)
             else:
-                fut = self._exec.submit(self._run_get, e, e.last, free, dst, result)
+                fut = self._readers.submit(self._run_get, e, e.last, free, dst, result)
                 e.last = _completion(fut)   # later operations wait for it, without
                 # holding the tensor it returns (the caller's, freed when the caller drops it)
         return Handle(fut, self)
@@ -354,13 +362,13 @@ class TensorStore:
     def prefetch(self, key, tier="host"):
         """Ensure a copy of `key` on `tier` (host or gpu), keeping the slower copy."""
         self._check_tier(tier)
-        return self._chain(key, self._run_prefetch, tier)
+        return self._chain(self._readers, key, self._run_prefetch, tier)
 
     def evict(self, key, tier="nvme"):
         """Move `key` down to `tier`: write it there if it is not there yet, then drop the
         copies on faster tiers."""
         self._check_tier(tier)
-        return self._chain(key, self._run_evict, tier)
+        return self._chain(self._writers, key, self._run_evict, tier)
 
     def delete(self, key):
         """Forget `key` and free its space on every tier (after its pending operations)."""
@@ -368,7 +376,7 @@ class TensorStore:
             e = self._entries.pop(key, None)
             if e is None:
                 return Handle(_Done(), self)
-            fut = self._exec.submit(self._run_delete, e, e.last)
+            fut = self._writers.submit(self._run_delete, e, e.last)
             e.last = fut
             # the entry is gone from _entries: synchronize() finds its delete here
             self._deleting.add(fut)
@@ -437,7 +445,8 @@ class TensorStore:
             return
         self._closed = True
         self.synchronize()
-        self._exec.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
         self.engine.close()
         if self.gds is not None:
             self.gds.close()
@@ -464,10 +473,10 @@ class TensorStore:
             raise KeyError(f"tensor store (rank dir {self.dir.path}) has no key {key!r}")
         return e
 
-    def _chain(self, key, fn, *args):
+    def _chain(self, pool, key, fn, *args):
         with self._lock:
             e = self._entry(key)
-            fut = self._exec.submit(fn, e, e.last, *args)
+            fut = pool.submit(fn, e, e.last, *args)
             e.last = fut
         return Handle(fut, self)
 
