@@ -49,7 +49,7 @@ def native_extensions():
             # the binding, the I/O engine and crc32c (one concern a file; engine.h and
             # crc32c.h are the C APIs the binding calls)
             sources=["csrc/snake_aio.c", "csrc/engine.c", "csrc/crc32c.c"],
-            depends=["csrc/engine.h", "csrc/crc32c.h"],
+            depends=["csrc/engine.h", "csrc/crc32c.h", "csrc/hidden.h"],
             libraries=["uring"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
         )

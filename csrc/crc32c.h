@@ -11,15 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Internal to the extension module: not exported from the .so (only PyInit__snake_aio is),
-   so a crc32c() of another library can never interpose on ours or the other way round. */
-#ifndef SNAKE_HIDDEN
-#if defined(__GNUC__)
-#define SNAKE_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define SNAKE_HIDDEN
-#endif
-#endif
+#include "hidden.h"
 
 /* Builds the tables and detects SSE4.2. Call once, before any crc32c() (module init). */
 SNAKE_HIDDEN void crc32c_init(void);

@@ -13,14 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Internal to the extension module: not exported from the .so (only PyInit__snake_aio is). */
-#ifndef SNAKE_HIDDEN
-#if defined(__GNUC__)
-#define SNAKE_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define SNAKE_HIDDEN
-#endif
-#endif
+#include "hidden.h"
 
 enum { ENGINE_OP_READ = 0, ENGINE_OP_WRITE = 1 };
 
