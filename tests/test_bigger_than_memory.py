@@ -81,18 +81,27 @@ def test_streamed_initial_weights_equal_megatrons_under_tp2(tmp_path):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == []
 
 
+# The child's peak RSS over its whole life: the log resets the OS's peak (VmHWM, and
+# ru_maxrss with it) at every interval (/proc/self/clear_refs), so the peak is read before
+# each reset (the model build and --load come before the first) and at the end, and the
+# largest kept.
 TRAIN = textwrap.dedent("""
-    import json, resource, sys, warnings
+    import json, sys, warnings
     warnings.filterwarnings("ignore")
     sys.path.insert(0, {repo!r})
+    from megatron_snake.training import train_log
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.distributed import shutdown
     from megatron_snake.training.loop import pretrain
+    peaks, reset = [], train_log.reset_peak_memory
+    def reset_peak_memory(device):
+        peaks.append(train_log._peak_rss_bytes())
+        return reset(device)
+    train_log.reset_peak_memory = reset_peak_memory
     losses = pretrain(parse_args(json.loads(sys.argv[1])))
     shutdown()
-    # the OS's peak resident set of this process (KiB on Linux)
-    print("RESULT", json.dumps({{"losses": losses,
-          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    peaks.append(train_log._peak_rss_bytes())
+    print("RESULT", json.dumps({{"losses": losses, "peak_rss": max(peaks)}}))
 """)
 
 # 64 layers of hidden 512 (201M parameters, 4 GB of fp32 training state): many small units,
@@ -105,8 +114,8 @@ BIG = ["--num-layers", "64", "--hidden-size", "512", "--num-attention-heads", "8
 FP32_STATE_BYTES_PER_PARAMETER = 4 + 4 + 4 + 8   # weights, gradient, master weights, moments
 
 
-def _train_in_subprocess(flags) -> tuple[list[float], int, str]:
-    """Losses, the child's peak RSS in bytes, and its output."""
+def train_in_subprocess(flags) -> tuple[list[float], int, str]:
+    """Losses, the child's peak RSS over its whole life in bytes, and its output."""
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", TRAIN.format(repo=REPO), json.dumps(flags)],
                           capture_output=True, text=True, env=env, timeout=1500)
@@ -119,7 +128,7 @@ def _train_in_subprocess(flags) -> tuple[list[float], int, str]:
 def test_training_state_four_times_the_peak_rss(tmp_path):
     """A GPT whose fp32 training state is >= 4x the peak RSS of the process that builds and
     trains it, with the losses of the same model trained in memory by Megatron's schedule."""
-    offloaded, peak, out = _train_in_subprocess(
+    offloaded, peak, out = train_in_subprocess(
         [*BIG, "--snake-offload", "--snake-offload-dir", str(tmp_path),
          "--snake-host-memory-limit", "64MiB"])
     params = float(re.search(r"> megatron_snake: ([0-9.]+)M parameters", out).group(1)) * 1e6
@@ -130,7 +139,7 @@ def test_training_state_four_times_the_peak_rss(tmp_path):
     # the log line says it too: host RSS for the interval, the pinned pool's high-water mark
     assert re.search(r"peak RSS \((interval|cumulative)\): [0-9.]+ GiB", out), out[-2000:]
     assert "host pool peak (cumulative)" in out and "of 64.0 MiB" in out, out[-2000:]
-    in_memory, _, _ = _train_in_subprocess(BIG)
+    in_memory, _, _ = train_in_subprocess(BIG)
     assert offloaded[0] == in_memory[0], "same initial weights, same arithmetic"
     for it, (a, b) in enumerate(zip(in_memory, offloaded), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"iteration {it}: megatron {a} offloaded {b}"

@@ -14,6 +14,8 @@ gpu tier): what the device memory limit leaves room for is not re-read from the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
@@ -177,9 +179,109 @@ class OffloadedUnits(UnitStore):
         self._partial_grads[key] = grad if held is None else held.add_(grad)
 
     # --- checkpoints -------------------------------------------------------------------
+    # A checkpoint is written and read one layout at a time (``checkpoint_units`` /
+    # ``load_unit_state``), never as the whole model: ``resident_state_dict`` is what stays
+    # in the module (shared parameters, buffers), ``unit_state`` one layout's shard of the
+    # offloaded state. ``model_state_dict`` / ``load_model_state_dict`` take the whole
+    # ``module.state_dict()`` (tests, a checkpoint of a run without --snake-offload).
+    def _layout(self, key):
+        return self.params.shared if key == SHARED else self.params.units[key]
+
+    def layout_keys(self) -> list:
+        """Every layout of the offloaded state, in the order a checkpoint writes them."""
+        return [lay.key for lay in self.params.all_layouts()]
+
+    def _offloaded_names(self, module: torch.nn.Module) -> set:
+        """The ``state_dict`` names of the parameters kept in the store (units' layouts)."""
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        return {name_of[id(seg.param)] for lay in self.params.units for seg in lay.segments}
+
+    def resident_state_dict(self, module: torch.nn.Module) -> dict:
+        """``module.state_dict()`` without the parameters kept in the store: the shared
+        parameters (updated first) and the buffers, which stay in the module."""
+        self.optimizer.flush()
+        if self._shared_stale:
+            self._refresh_shared()
+        offloaded = self._offloaded_names(module)
+        return {k: v for k, v in module.state_dict().items() if k not in offloaded}
+
+    def load_resident_state_dict(self, module: torch.nn.Module, state: dict) -> None:
+        """``resident_state_dict``'s entries back into the module."""
+        offloaded = self._offloaded_names(module)
+        unexpected = [k for k in state if k in offloaded]
+        missing, more = module.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in offloaded]
+        if missing or unexpected or more:
+            raise KeyError(f"checkpoint does not match the model: missing {missing}, "
+                           f"unexpected {unexpected + more}")
+
+    def _weight_shard(self, lay) -> torch.Tensor:
+        """This rank's records of a layout's working weights, as one flat CPU tensor."""
+        start, end, _ = self.dp.shard(lay.numel)
+        shard = torch.empty(end - start, dtype=self.dtype)
+        handles = [self.store.get(("w", lay.key, part), out=shard[lo - start:hi - start])
+                   for part, (lo, hi) in self.record_parts(lay)]
+        for handle in handles:
+            handle.wait()
+        return shard
+
+    def unit_state(self, key) -> dict:
+        """Layout ``key``'s checkpoint entry, read from its tier: this rank's shard of its
+        fp32 master weights and moments (``OffloadedAdamW.layout_state``) and, for a unit,
+        of its working weights ("weights"; the shared weights are resident, in
+        ``resident_state_dict``), with the layout's size, this rank's element range
+        ("shard") and its parameters as [name, shape, offset, numel]."""
+        lay = self._layout(key)
+        state = self.optimizer.layout_state(key)   # waits for the layout's update
+        if key != SHARED:
+            state["weights"] = self._weight_shard(lay)
+        start, end, _ = self.dp.shard(lay.numel)
+        state.update(numel=lay.numel, shard=[start, end],
+                     segments=[[seg.name, list(seg.shape), seg.offset, seg.numel]
+                               for seg in lay.segments])
+        return state
+
+    def checkpoint_units(self) -> dict:
+        """{layout key: a function returning ``unit_state(key)``}: what a save streams."""
+        return {key: functools.partial(self.unit_state, key) for key in self.layout_keys()}
+
+    def check_saved_layouts(self, keys) -> None:
+        """Refuse a checkpoint whose layouts are not this run's (another unit partition)."""
+        if list(keys) != self.layout_keys():
+            raise KeyError(f"checkpoint units {list(keys)} do not match the model's units "
+                           f"{self.layout_keys()}; was it saved with another "
+                           "--snake-checkpoint-interval?")
+
+    def load_unit_state(self, key, state: dict, *, optimizer: bool = True) -> None:
+        """Put ``unit_state(key)``'s entry back: the unit's working weights into the store
+        and, with ``optimizer``, the master weights and moments; returns when the store has
+        copied them (``state`` may be dropped then)."""
+        lay = self._layout(key)
+        start, end, _ = self.dp.shard(lay.numel)
+        saved = [[name, list(shape), offset, numel]
+                 for name, shape, offset, numel in state["segments"]]
+        mine = [[seg.name, list(seg.shape), seg.offset, seg.numel] for seg in lay.segments]
+        if state["numel"] != lay.numel or list(state["shard"]) != [start, end] or saved != mine:
+            raise ValueError(f"checkpoint unit {key} does not match the model's (elements "
+                             f"{list(state['shard'])} of {state['numel']} saved, "
+                             f"{[start, end]} of {lay.numel} here; parameters "
+                             f"{[s[:2] for s in saved if s not in mine]} saved, "
+                             f"{[s[:2] for s in mine if s not in saved]} here)")
+        handles = []
+        if key != SHARED:
+            flat = state["weights"].to(self.dtype)
+            handles += [self.store.put(("w", key, part), flat[lo - start:hi - start],
+                                       tier=self.tier_of(key), kind="weights")
+                        for part, (lo, hi) in self.record_parts(lay)]
+        if optimizer:
+            handles += self.optimizer.load_layout_state(key, state)
+        for handle in handles:
+            handle.wait()
+
     def model_state_dict(self, module: torch.nn.Module) -> dict:
-        """``module.state_dict()`` with every offloaded parameter read back from the store,
-        one unit at a time, on the CPU (the model never has to fit on the device)."""
+        """The whole ``module.state_dict()``, every offloaded parameter read back from the
+        store one unit at a time, on the CPU (the model never has to fit on the device,
+        but the result holds all of it: a checkpoint uses ``unit_state``)."""
         self.optimizer.flush()
         if self._shared_stale:
             self._refresh_shared()
@@ -194,25 +296,20 @@ class OffloadedUnits(UnitStore):
         return state
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict) -> None:
-        """Put a saved ``module.state_dict()`` back: offloaded parameters into the store,
+        """Put a whole ``module.state_dict()`` back: offloaded parameters into the store,
         the rest (shared parameters, buffers) into the module."""
         name_of = {id(p): n for n, p in module.named_parameters()}
-        offloaded = set()
         for lay in self.params.units:
             names = [name_of[id(seg.param)] for seg in lay.segments]
-            offloaded.update(names)
             if not names:
                 continue
             flat = torch.cat([state[n].reshape(-1).to(self.dtype) for n in names])
             for part, (lo, hi) in self.record_parts(lay):
                 self.store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
                                kind="weights")
-        rest = {k: v for k, v in state.items() if k not in offloaded}
-        missing, unexpected = module.load_state_dict(rest, strict=False)
-        missing = [k for k in missing if k not in offloaded]
-        if missing or unexpected:
-            raise KeyError(f"checkpoint does not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")
+        offloaded = self._offloaded_names(module)
+        self.load_resident_state_dict(module, {k: v for k, v in state.items()
+                                               if k not in offloaded})
         self.store.synchronize()
 
     def reload_master_weights(self) -> None:

@@ -287,20 +287,53 @@ class OffloadedAdamW(HostAdamW):
         for key in self.layouts:
             self.finish_update(key)
 
-    def state_dict(self) -> dict:
-        """This rank's shard of every layout's master weights and moments (read back from
-        their tier), the step count and the hyper-parameters: what a checkpoint needs to
-        resume exactly."""
+    def state_dict(self, layouts: bool = True) -> dict:
+        """The step count and the hyper-parameters (and the loss scaler's state), and with
+        ``layouts`` this rank's shard of every layout's master weights and moments: what a
+        checkpoint needs to resume exactly. The layouts together are this rank's whole
+        optimizer shard: a checkpoint takes ``layouts=False`` and reads them one at a time
+        with ``layout_state``."""
         self.flush()
         state = {"iteration": self.iteration, "alpha": self.alpha,
-                 "param_groups": [dict(g) for g in self.param_groups], "layouts": {}}
+                 "param_groups": [dict(g) for g in self.param_groups]}
         if self.grad_scaler is not None:  # fp16: the loss scale and its growth/backoff counters
             state["grad_scaler"] = self.grad_scaler.state_dict()
-        for key in self.layouts:
-            state["layouts"][key] = {
-                name: torch.cat([self.store.get((name, key, part)).wait() for part in PARTS])
-                for name in STATES}
+        if layouts:
+            state["layouts"] = {key: self.layout_state(key) for key in self.layouts}
         return state
+
+    def layout_state(self, key) -> dict:
+        """This rank's shard of layout ``key``'s fp32 master weights and both moments
+        ({name: flat shard}), read back from their tier once its pending update is applied."""
+        self.finish_update(key)
+        start, end, _ = self.dp.shard(self.layouts[key].numel)
+        state = {name: torch.empty(end - start, dtype=torch.float32) for name in STATES}
+        handles = [self.store.get((name, key, part), out=state[name][lo - start:hi - start])
+                   for name in STATES
+                   for part, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key])) if hi > lo]
+        for handle in handles:
+            handle.wait()
+        return state
+
+    def load_layout_state(self, key, state: dict) -> list:
+        """Put ``layout_state(key)``'s shards back into the store (this rank's shard of the
+        same layout). Returns the puts' handles: ``state`` is read until they are done."""
+        lay = self.layouts[key]
+        start, end, _ = self.dp.shard(lay.numel)
+        for name in STATES:
+            if tuple(state[name].shape) != (end - start,):
+                raise ValueError(f"checkpoint optimizer state {name} of unit {key} has shape "
+                                 f"{tuple(state[name].shape)}, this rank's shard "
+                                 f"{(end - start,)}")
+        self.finish_update(key)
+        handles = []
+        for name in STATES:
+            shard = state[name].to(torch.float32)
+            for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
+                handles.append(self.store.put((name, key, part),
+                                              shard[lo - start:hi - start].contiguous(),
+                                              tier=self.tier, kind="optim"))
+        return handles
 
     def set_master_weights(self, key, flat: torch.Tensor) -> None:
         """Master weights of layout ``key`` from ``flat`` (the whole layout, any dtype and
@@ -313,7 +346,9 @@ class OffloadedAdamW(HostAdamW):
                            kind="optim")
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state["layouts"]) != set(self.layouts):
+        """``state_dict()``'s state back; without "layouts" (a checkpoint loads them one at
+        a time with ``load_layout_state``) only the step count and hyper-parameters."""
+        if "layouts" in state and set(state["layouts"]) != set(self.layouts):
             raise KeyError("checkpoint optimizer state does not match the model's units "
                            f"({sorted(map(str, state['layouts']))} vs "
                            f"{sorted(map(str, self.layouts))}); was it saved with another "
@@ -325,13 +360,9 @@ class OffloadedAdamW(HostAdamW):
             self._read_loss_scale()
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
-        for key, lay in self.layouts.items():
-            start = self.dp.shard(lay.numel)[0]
-            for name in STATES:
-                shard = state["layouts"][key][name]  # this rank's shard
-                for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
-                    self.store.put((name, key, part), shard[lo - start:hi - start].contiguous(),
-                                   tier=self.tier, kind="optim")
+        for key, saved in state.get("layouts", {}).items():
+            for handle in self.load_layout_state(key, saved):
+                handle.wait()
         self.store.synchronize()
 
     def _read_loss_scale(self) -> None:

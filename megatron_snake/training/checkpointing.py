@@ -9,14 +9,26 @@ rename made durable by an fsync of its directory), and the tracker file is repla
 atomically after that, so a crash or a full disk during a save leaves the previous checkpoint
 valid; a failed save removes what it wrote.
 
+An offloaded run (``--snake-offload``) never holds its whole state in memory, and neither
+does its checkpoint: ``model_optim_rng.pt`` holds the small part (iteration, flags,
+scheduler, RNG, the optimizer's step count and hyper-parameters, the parameters and buffers
+that stay resident, and the list of layouts), and each flat layout of the offloaded state
+(a unit, or the shared parameters) has its own file ``unit_<key>.bin`` (with its checksum
+file): this rank's shard of the layout's working weights, fp32 master weights and both
+moments. A save reads one layout from its tier, writes its file and drops it before the
+next; a load reads, verifies and puts back one file at a time. A unit file is not a pickle
+but a JSON header and the raw bytes of its tensors (``_write_unit``): reading it runs
+nothing and fills one buffer, no larger than the file, that its tensors are views of.
+
 What a save creates inside ``--save`` (iteration, rank and temporary directories, files,
 the tracker) is made 0700 / 0600 without following symbolic links (``safe_files``); the
 ``--save`` directory itself is the user's choice and may be a link.
 
 ``--load`` checks each file's size and SHA-256 against its checksum file before parsing it,
-then unpickles it with ``torch.load(weights_only=True)`` allowing nothing but tensors, plain
-Python values and ``_SAFE_GLOBALS``: a checkpoint that holds any other object is refused, and
-nothing in it is run. The writer holds the state to the same rule before it writes.
+then unpickles the state file with ``torch.load(weights_only=True)`` allowing nothing but
+tensors, plain Python values and ``_SAFE_GLOBALS``: a checkpoint that holds any other object
+is refused, and nothing in it is run. The writer holds the state to the same rule before it
+writes.
 """
 
 from __future__ import annotations
@@ -26,13 +38,16 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import random
 import re
 import shutil
 import stat
+import sys
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,9 +62,20 @@ from megatron_snake.storage.safe_files import (create_file, fsync_dir, private_d
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "model_optim_rng.pt"
 CHECKSUM_SUFFIX = ".sha256.json"   # <file>.sha256.json: {"bytes", "sha256", ...} of <file>
+UNIT_FILE = "unit_{}.bin"          # one offloaded layout's state (--snake-offload)
 # 2: checksum files; the numpy RNG state stored as plain values (no numpy objects), so
 # the file loads with weights_only=True and torch's own allowlist.
-FORMAT_VERSION = 2
+# 3: an offloaded run's layouts each in their own unit file, written and read one at a time.
+FORMAT_VERSION = 3
+# A unit file: UNIT_MAGIC, the header's length (8 bytes, little-endian), the JSON header
+# (padded with spaces to a multiple of _ALIGN), then each tensor's bytes at its offset from
+# there (multiples of _ALIGN, so every tensor is an aligned view of the file's buffer).
+UNIT_MAGIC = b"SNAKEU03"
+_ALIGN = 64
+_UNIT_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+_READ_CHUNK = 64 << 20
 # Settings that must match between the run that saved and the run that loads.
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "seq_length", "position_embedding_type",
@@ -134,13 +160,21 @@ def set_rng_state(state: dict) -> None:
 
 # --- saving ------------------------------------------------------------------------------
 def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_state: dict,
-                    optimizer_state: dict, scheduler_state: dict, args) -> str:
-    """Write the training state of this rank; returns the iteration directory."""
+                    optimizer_state: dict, scheduler_state: dict, args,
+                    units: dict[object, Callable[[], dict]] | None = None) -> str:
+    """Write the training state of this rank; returns the iteration directory.
+
+    ``units`` (an offloaded run): {layout key: a function that reads that layout's state},
+    for the state too large to hold at once; ``model_state`` and ``optimizer_state`` then
+    hold the rest. Each function is called after the state file is written, its result
+    (tensors and plain JSON values, ``_write_unit``) written to ``unit_<key>.bin`` and
+    dropped before the next is called: the save holds one layout at a time."""
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = args.snake_offload  # each data-parallel rank holds its own optimizer shard
     writer = sharded or parallel_state.get_data_parallel_rank() == 0
+    units = units or {}
     if rank == 0:
         with _failed_save(root, tmp, cleanup=tmp):
             if not os.path.isdir(root):
@@ -162,13 +196,28 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
             "optimizer": optimizer_state,
             "opt_param_scheduler": scheduler_state,
             "rng_state": rng_state(),
+            "units": list(units),   # the unit files of this rank, in the order written
         }
         rank_dir = os.path.join(tmp, _rank_dir_name(sharded))
         path = os.path.join(rank_dir, STATE_FILE)
-        with _failed_save(root, path, cleanup=tmp if rank == 0 else rank_dir):
+        cleanup = tmp if rank == 0 else rank_dir
+        with _failed_save(root, path, cleanup=cleanup):
             _check_plain(state, "state")  # what --load would refuse is never written
+            for key in units:
+                _check_unit_key(key)
             private_dir(rank_dir, what="checkpoint directory")
             _write_state(path, state)
+        for key, read in units.items():
+            unit_path = os.path.join(rank_dir, UNIT_FILE.format(key))
+            try:
+                entry = read()   # this layout only, read from its tier
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    _remove(cleanup)
+                raise
+            with _failed_save(root, unit_path, cleanup=cleanup):
+                _write_unit(unit_path, key, entry)
+            del entry            # before the next layout is read
     _barrier()
     if rank == 0:
         with _failed_save(root, final, cleanup=tmp):
@@ -184,12 +233,18 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
 
 
 def _write_state(path: str, state: dict) -> None:
-    """``state`` to ``path`` (through ``path.part``, 0600, never through a link, fsynced)
-    and its checksum file beside it; both renames made durable."""
+    """``state`` to ``path`` with torch.save (see ``_write_checksummed``)."""
+    _write_checksummed(path, lambda out: torch.save(state, out))
+
+
+def _write_checksummed(path: str, write: Callable[["_ChecksummedWriter"], None]) -> None:
+    """What ``write`` writes to the file object it is given, to ``path`` (through
+    ``path.part``, 0600, never through a link, fsynced), and its checksum file beside it;
+    both renames made durable."""
     part = path + ".part"
     out = _ChecksummedWriter(create_file(part, what="checkpoint file"), part)
     try:
-        torch.save(state, out)
+        write(out)
         out.close()
     except BaseException as exc:
         out.abort()
@@ -203,6 +258,53 @@ def _write_state(path: str, state: dict) -> None:
     # also fsyncs the directory, after both renames
     write_file_atomically(path + CHECKSUM_SUFFIX, (json.dumps(manifest) + "\n").encode(),
                           what="checkpoint checksum file")
+
+
+def _check_unit_key(key) -> None:
+    """A layout key names a file: a unit index or a plain word, nothing a path is made of."""
+    if not (type(key) is int and key >= 0 or
+            type(key) is str and re.fullmatch(r"[A-Za-z0-9_]{1,64}", key)):
+        raise ValueError(f"checkpoint unit key {key!r} is not a unit index or a plain word")
+
+
+def _write_unit(path: str, key, entry: dict) -> None:
+    """One layout's ``entry`` to ``path``: its tensors as raw bytes after a JSON header that
+    says where each is (name, dtype, shape, offset, bytes), its other values in the header
+    under "meta" (plain JSON values); checksummed like the state file."""
+    tensors = {name: value.detach() for name, value in entry.items() if torch.is_tensor(value)}
+    meta = {name: value for name, value in entry.items() if not torch.is_tensor(value)}
+    index, offset = [], 0
+    for name, tensor in tensors.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _UNIT_DTYPES or tensor.layout != torch.strided:
+            raise TypeError(f"checkpoint unit {key!r} entry {name!r} is a {tensor.dtype} "
+                            f"{tensor.layout} tensor; a unit file holds dense tensors of "
+                            f"{', '.join(_UNIT_DTYPES)}")
+        nbytes = tensor.numel() * tensor.element_size()
+        index.append({"name": name, "dtype": dtype, "shape": list(tensor.shape),
+                      "offset": offset, "bytes": nbytes})
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    try:
+        header = json.dumps({"format_version": FORMAT_VERSION, "layout": key,
+                             "byteorder": sys.byteorder, "meta": meta, "tensors": index},
+                            allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"checkpoint unit {key!r}: its values other than tensors must be "
+                        f"plain JSON values ({exc})") from None
+    start = len(UNIT_MAGIC) + 8 + len(header)
+    header += b" " * (-start % _ALIGN)
+
+    def write(out):
+        out.write(UNIT_MAGIC + len(header).to_bytes(8, "little") + header)
+        written = 0
+        for item, tensor in zip(index, tensors.values()):
+            out.write(bytes(item["offset"] - written))   # the padding before it
+            if item["bytes"]:
+                raw = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                out.write(raw.numpy())
+            written = item["offset"] + item["bytes"]
+
+    _write_checksummed(path, write)
 
 
 class _ChecksummedWriter:
@@ -370,8 +472,7 @@ def load_checkpoint(root: str, *, args) -> dict:
         raise ValueError(f"--load {root}: {tracker} holds {text!r}, not an iteration number "
                          f"(iterations {_iterations_here(root)})")
     iteration = int(text)
-    path = os.path.join(_iter_dir(root, iteration), _rank_dir_name(args.snake_offload),
-                        STATE_FILE)
+    path = os.path.join(_rank_path(root, iteration, args), STATE_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--load {root}: checkpoint file {path} is missing")
     manifest = _read_checksum_file(root, path)
@@ -393,7 +494,128 @@ def load_checkpoint(root: str, *, args) -> dict:
             f"--load {root}: the optimizer state was saved "
             f"{'with' if state['snake']['offload'] else 'without'} --snake-offload; load it "
             "the same way, or pass --no-load-optim to take only the weights")
+    units = state.get("units")
+    if not isinstance(units, list):
+        raise CheckpointCorruptError(f"--load {root}: {path} has no list of unit files")
+    for key in units:  # all there before anything is loaded (each is verified when read)
+        unit_path = _unit_path(root, os.path.dirname(path), key)
+        if not os.path.isfile(unit_path):
+            raise CheckpointCorruptError(
+                f"--load {root}: {unit_path} is missing ({os.path.basename(path)} lists it); "
+                "restore it from a copy or load an earlier iteration "
+                f"(iterations {_iterations_here(root)})")
+        _read_checksum_file(root, unit_path)
     return state
+
+
+def load_units(root: str, state: dict, apply: Callable[[object, dict], None], *,
+               args) -> None:
+    """``apply(key, entry)`` for each unit file of the checkpoint ``state`` (from
+    ``load_checkpoint``), in the order they were written, one at a time: each file is read
+    into one buffer while its SHA-256 is computed, checked against its checksum file, and
+    only then parsed; ``entry`` holds what the save wrote (tensors, views of that buffer,
+    and the plain values) and is dropped before the next file is read."""
+    rank_dir = _rank_path(root, state["iteration"], args)
+    for key in state["units"]:
+        entry = _read_unit(root, _unit_path(root, rank_dir, key), key)
+        apply(key, entry)
+        del entry
+
+
+def full_model_state(root: str, state: dict, *, args) -> dict:
+    """The whole ``state_dict()`` of the checkpointed model, for a run that holds its model
+    in memory (without --snake-offload, after --no-load-optim): the state file's model
+    entries and, when the layouts have their own files, each parameter's weights from
+    them."""
+    model = dict(state["model"])
+
+    def add(key, entry):
+        if "weights" not in entry:   # the shared layout's weights are in the state file
+            return
+        if list(entry["shard"]) != [0, entry["numel"]]:
+            raise ValueError(
+                f"--load {root}: unit {key} holds elements {entry['shard']} of "
+                f"{entry['numel']} (a data-parallel shard); load it with --snake-offload and "
+                "the same data-parallel size")
+        weights = entry["weights"].clone()   # not a view of the whole file
+        for name, shape, offset, numel in entry["segments"]:
+            model[name] = weights[offset:offset + numel].view(shape)
+
+    load_units(root, state, add, args=args)
+    return model
+
+
+def _rank_path(root: str, iteration: int, args) -> str:
+    return os.path.join(_iter_dir(root, iteration), _rank_dir_name(args.snake_offload))
+
+
+def _unit_path(root: str, rank_dir: str, key) -> str:
+    try:
+        _check_unit_key(key)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"--load {root}: {exc}") from None
+    return os.path.join(rank_dir, UNIT_FILE.format(key))
+
+
+def _read_unit(root: str, path: str, key) -> dict:
+    """A unit file, verified, then parsed (``_write_unit``'s layout)."""
+    if not os.path.isfile(path):
+        raise CheckpointCorruptError(
+            f"--load {root}: {path} is missing; restore it from a copy or load an earlier "
+            f"iteration (iterations {_iterations_here(root)})")
+    manifest = _read_checksum_file(root, path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        _check_size(root, path, size, manifest["bytes"])
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        digest, done = hashlib.sha256(), 0
+        while done < size:
+            n = f.readinto(view[done:done + _READ_CHUNK])
+            if not n:
+                break
+            digest.update(view[done:done + n])
+            done += n
+    if done != size or digest.hexdigest() != manifest["sha256"]:
+        raise _corrupt(root, path, "checksum mismatch: its SHA-256 is not the one written "
+                       "with it")
+    try:
+        return _parse_unit(buffer, key)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError,
+            OverflowError) as exc:
+        raise CheckpointCorruptError(
+            f"--load {root}: {path} matches its checksum but is not a unit file of "
+            f"megatron_snake ({exc}); restore it from a copy or load an earlier iteration "
+            f"(iterations {_iterations_here(root)})") from None
+
+
+def _parse_unit(buffer: torch.Tensor, key) -> dict:
+    head = len(UNIT_MAGIC) + 8
+    if buffer.numel() < head or bytes(buffer[:len(UNIT_MAGIC)].numpy()) != UNIT_MAGIC:
+        raise ValueError("no unit file header")
+    length = int.from_bytes(bytes(buffer[len(UNIT_MAGIC):head].numpy()), "little")
+    if length > buffer.numel() - head:
+        raise ValueError(f"a header of {length} bytes")
+    header = json.loads(bytes(buffer[head:head + length].numpy()))
+    if header.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"format version {header.get('format_version')}, not "
+                         f"{FORMAT_VERSION}")
+    if header.get("layout") != key:
+        raise ValueError(f"it holds unit {header.get('layout')!r}, not {key!r}")
+    if header.get("byteorder") != sys.byteorder:
+        raise ValueError(f"written on a {header.get('byteorder')}-endian machine")
+    entry = dict(header["meta"])
+    data = head + length
+    for item in header["tensors"]:
+        dtype = _UNIT_DTYPES[item["dtype"]]
+        shape, offset, nbytes = item["shape"], item["offset"], item["bytes"]
+        if not (all(type(n) is int and n >= 0 for n in [*shape, offset, nbytes]) and
+                math.prod(shape) * dtype.itemsize == nbytes and (data + offset) % _ALIGN == 0 and
+                data + offset + nbytes <= buffer.numel()):
+            raise ValueError(f"entry {item.get('name')!r} does not fit the file")
+        raw = buffer[data + offset:data + offset + nbytes]
+        entry[item["name"]] = raw.view(dtype).view(shape)
+    return entry
 
 
 def _read_checksum_file(root: str, path: str) -> dict:
@@ -423,15 +645,20 @@ def _read_checksum_file(root: str, path: str) -> dict:
 
 
 def _verify(root: str, path: str, f, manifest: dict) -> None:
-    size, expected = os.fstat(f.fileno()).st_size, manifest["bytes"]
+    _check_size(root, path, os.fstat(f.fileno()).st_size, manifest["bytes"])
+    if _sha256(f) != manifest["sha256"]:
+        raise _corrupt(root, path, "checksum mismatch: its SHA-256 is not the one written "
+                       "with it")
+
+
+def _check_size(root: str, path: str, size: int, expected: int) -> None:
     if size != expected:
-        what = (f"truncated: {size} of {expected} bytes" if size < expected else
-                f"{size} bytes, {expected} were written")
-    elif _sha256(f) != manifest["sha256"]:
-        what = "checksum mismatch: its SHA-256 is not the one written with it"
-    else:
-        return
-    raise CheckpointCorruptError(
+        raise _corrupt(root, path, f"truncated: {size} of {expected} bytes" if size < expected
+                       else f"{size} bytes, {expected} were written")
+
+
+def _corrupt(root: str, path: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
         f"--load {root}: {path} is corrupt ({what}); restore it from a copy or load an "
         f"earlier iteration (iterations {_iterations_here(root)})")
 

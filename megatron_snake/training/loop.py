@@ -80,13 +80,19 @@ class Trainer:
     def save(self) -> None:
         run = self.run
         gpt = unwrap_model(run.model)
-        model_state = run.offloaded.weights.model_state_dict(gpt) if run.offloaded \
-            else gpt.state_dict()
+        if run.offloaded:  # streamed: one layout's weights, master weights, moments at a time
+            weights = run.offloaded.weights
+            model_state, units = weights.resident_state_dict(gpt), weights.checkpoint_units()
+            optimizer_state = run.optimizer.state_dict(layouts=False)
+        else:
+            model_state, units = gpt.state_dict(), None
+            optimizer_state = run.optimizer.state_dict()
         checkpointing.save_checkpoint(self.args.save, iteration=self.iteration,
                                       consumed_samples=self.consumed, args=self.args,
                                       model_state=model_state,
-                                      optimizer_state=run.optimizer.state_dict(),
-                                      scheduler_state=run.scheduler.state_dict())
+                                      optimizer_state=optimizer_state,
+                                      scheduler_state=run.scheduler.state_dict(),
+                                      units=units)
         self.log.print(f"> saved checkpoint at iteration {self.iteration} to {self.args.save}")
 
     def restore(self, root: str) -> None:
@@ -95,10 +101,17 @@ class Trainer:
         args, run = self.args, self.run
         state = checkpointing.load_checkpoint(root, args=args)
         gpt = unwrap_model(run.model)
-        if run.offloaded:
+        if run.offloaded and state["units"]:  # streamed back, one layout at a time
+            weights = run.offloaded.weights
+            weights.check_saved_layouts(state["units"])
+            weights.load_resident_state_dict(gpt, state["model"])
+            checkpointing.load_units(
+                root, state, args=args, apply=lambda key, unit: weights.load_unit_state(
+                    key, unit, optimizer=not args.no_load_optim))
+        elif run.offloaded:  # saved without --snake-offload (loaded with --no-load-optim)
             run.offloaded.weights.load_model_state_dict(gpt, state["model"])
         else:
-            gpt.load_state_dict(state["model"])
+            gpt.load_state_dict(checkpointing.full_model_state(root, state, args=args))
         if not args.no_load_optim:
             run.optimizer.load_state_dict(state["optimizer"])
             run.scheduler.load_state_dict(state["opt_param_scheduler"])
