@@ -44,8 +44,7 @@ AT_LEAST_ONE = ("--micro-batch-size", "--global-batch-size", "--train-iters", "-
                 "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
                 "--seq-length", "--make-vocab-size-divisible-by")
 AT_LEAST_ONE_IF_GIVEN = ("--exit-interval", "--save-interval", "--ffn-hidden-size",
-                         "--kv-channels", "--max-position-embeddings", "--vocab-size",
-                         "--lr-decay-iters")
+                         "--kv-channels", "--max-position-embeddings", "--lr-decay-iters")
 AT_LEAST_ZERO = ("--eval-interval", "--eval-iters", "--lr-warmup-iters", "--lr", "--min-lr",
                  "--lr-warmup-init", "--weight-decay", "--snake-activation-offload-min-bytes")
 FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction")

@@ -255,7 +255,7 @@ def build_gpt_datasets(
     """
     _, _, GPTDataset, GPTDatasetConfig, MockGPTDataset = _megatron_datasets()
     if seq_length <= 0:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        raise ValueError(f"seq_length must be positive, got {seq_length}")
     num_samples = list(num_samples)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must have 3 entries (train, valid, test), got {num_samples}")
@@ -354,7 +354,7 @@ def micro_batches(
             "dataset is None (its --split weight is 0, or it was not built on this rank)"
         )
     if micro_batch_size <= 0:
-        raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
     if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
         raise ValueError(
             f"data_parallel_rank {data_parallel_rank} must be in [0, {data_parallel_size})"
