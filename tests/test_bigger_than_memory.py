@@ -95,12 +95,12 @@ TRAIN = textwrap.dedent("""
     from megatron_snake.training.loop import pretrain
     peaks, reset = [], train_log.reset_peak_memory
     def reset_peak_memory(device):
-        peaks.append(train_log._peak_rss_bytes())
+        peaks.append(train_log.peak_rss_bytes())
         return reset(device)
     train_log.reset_peak_memory = reset_peak_memory
     losses = pretrain(parse_args(json.loads(sys.argv[1])))
     shutdown()
-    peaks.append(train_log._peak_rss_bytes())
+    peaks.append(train_log.peak_rss_bytes())
     print("RESULT", json.dumps({{"losses": losses, "peak_rss": max(peaks)}}))
 """)
 

@@ -127,6 +127,14 @@ def test_unwritable_rank_directory_fails_every_rank_at_start(tmp_path):
         assert not re.search(r"iteration\s+\d+/", out), "no step may run"
 
 
+def _wait_for_iteration_2(proc, log) -> None:
+    """Until rank 0 has logged iteration 2 (training runs), failing if it exits first."""
+    deadline = time.time() + 240
+    while "iteration        2" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
     """SIGKILL one pipeline stage mid-run: the other exits with an error naming the lost
     rank's peers, within the timeout, instead of hanging."""
@@ -135,10 +143,7 @@ def test_killed_rank_makes_the_others_fail_clearly(tmp_path):
              "--log-interval", "1", "--snake-offload", "--distributed-timeout-minutes", "1"]
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
     log0 = tmp_path / "rank0.log"
-    deadline = time.time() + 240
-    while "iteration        2" not in log0.read_text():
-        assert procs[0].poll() is None and time.time() < deadline, log0.read_text()[-3000:]
-        time.sleep(0.5)
+    _wait_for_iteration_2(procs[0], log0)
     procs[1].send_signal(signal.SIGKILL)
     start = time.time()
     try:
@@ -161,10 +166,7 @@ def test_stalled_rank_fails_the_others_within_the_timeout(tmp_path):
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
     log0 = tmp_path / "rank0.log"
     try:
-        deadline = time.time() + 240
-        while "iteration        2" not in log0.read_text():
-            assert procs[0].poll() is None and time.time() < deadline, log0.read_text()[-3000:]
-            time.sleep(0.5)
+        _wait_for_iteration_2(procs[0], log0)
         procs[1].send_signal(signal.SIGSTOP)
         start = time.time()
         procs[0].wait(timeout=150)

@@ -34,14 +34,7 @@ from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+from megatron_snake.training.train_log import peak_rss_bytes  # noqa: E402
 
 
 def layer_params(hidden: int) -> int:

@@ -48,6 +48,12 @@ from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, SwapFi
 log = logging.getLogger("megatron_snake.storage")
 
 
+def host_buffers_for(nbytes: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> int:
+    """Host buffers a record of ``nbytes`` holds on the host tier: whole buffers, each
+    carrying ``buffer_bytes - REC_HEADER_BYTES`` of it (what ``_segments`` cuts)."""
+    return -(-int(nbytes) // (buffer_bytes - REC_HEADER_BYTES))
+
+
 class Handle:
     """The result of an asynchronous store operation. wait() -> tensor (get) or None."""
 
@@ -411,7 +417,7 @@ class TensorStore:
 
     def host_buffers_for(self, nbytes: int) -> int:
         """Host buffers a record of ``nbytes`` holds while it lives on the host tier."""
-        return len(self._segments(int(nbytes)))
+        return host_buffers_for(nbytes, self.pool.buffer_bytes)
 
     def check_capacity(self, nbytes_planned):
         """Raise CapacityError unless nbytes_planned fit on the offload drive (with margin)."""

@@ -24,7 +24,7 @@ from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, check_host_memory_limit
 from megatron_snake.storage.sizes import gib, mib
-from megatron_snake.storage.swap_file import REC_HEADER_BYTES
+from megatron_snake.storage.store import host_buffers_for
 from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, check_host_memory,
                                                      checkpoint_bytes_per_step,
                                                      checkpoint_bytes_planned,
@@ -155,12 +155,6 @@ class _Layout:
 class _UnitParams:
     units: tuple[_Layout, ...]
     shared: _Layout
-
-
-def host_buffers_for(nbytes: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> int:
-    """The store's rule (``TensorStore.host_buffers_for``): a record takes whole buffers,
-    each holding ``buffer_bytes - REC_HEADER_BYTES`` of it."""
-    return -(-int(nbytes) // (buffer_bytes - REC_HEADER_BYTES))
 
 
 # --- the pre-flight --------------------------------------------------------------------

@@ -36,7 +36,7 @@ def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> floa
     return 3 * 2 * per_token * s * args.global_batch_size
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -63,7 +63,7 @@ def reset_peak_memory(device: torch.device) -> bool:
 def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], int]:
     """This interval's memory figures for the log line, and the allocator's retry count now
     (the next interval's baseline)."""
-    rss = f"peak RSS (interval): {gib(_peak_rss_bytes())}"
+    rss = f"peak RSS (interval): {gib(peak_rss_bytes())}"
     if device.type != "cuda":
         return [rss], 0
     stats = torch.cuda.memory_stats(device)
