@@ -68,7 +68,9 @@ setup(
         "packaging",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout"],
+        "dev": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # tools/: plots of timelines and studies
+        "bench": ["matplotlib"],
         # GPU-only, optional; the local layer spec and the native engine are the defaults.
         "gpu": ["transformer-engine[pytorch]", "kvikio-cu12", "nvidia-dali-cuda120"],
     },

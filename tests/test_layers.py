@@ -1,9 +1,10 @@
 """The package layering, read from the sources (every import, lazy ones included), so that a
 later change cannot quietly reintroduce a cycle or an upward import.
 
-Bottom to top (docs/design.md draws it): storage and compat (import nothing of ours),
-placement, models, schedule, optim, offload, training. A package may import only packages
-of lower layers; the module graph has no cycle.
+Bottom to top (docs/design.md draws it): storage and compat (import nothing of ours but
+the timeline), placement, models, schedule, optim, offload, training. A package may import
+only packages of lower layers; the module graph has no cycle. ``megatron_snake.timeline``,
+which every layer records into, imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -86,3 +87,8 @@ def test_the_module_graph_has_no_cycle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_the_timeline_imports_nothing_of_ours():
+    assert _imports(PACKAGE / "timeline.py") == set(), \
+        "every layer records into megatron_snake/timeline.py: it must import none of them"

@@ -213,8 +213,12 @@ def test_pinned_units_are_not_read_from_nvme(megatron_world, tmp_path):
     torch.use_deterministic_algorithms(False)
     params = UnitParams.of(GPTUnits(plain, 1)).units
     per_sweep_pair = 2 * 4 * sum(params[u].numel for u in (1, 2, 3))  # fp32, both sweeps
-    for a, b in zip(plain_reads, pinned_reads):
-        assert b <= a - 0.8 * per_sweep_pair and b > 0, (plain_reads, pinned_reads)
+    # Step 1 reads the units in both sweeps from the drive; later steps read a forward
+    # sweep's updated weights from host memory where they were published (both runs), so
+    # the pinned units save at least their backward sweep's reads.
+    for step, (a, b) in enumerate(zip(plain_reads, pinned_reads)):
+        saved = 0.8 * per_sweep_pair if step == 0 else 0.4 * per_sweep_pair
+        assert b <= a - saved and b > 0, (plain_reads, pinned_reads)
     ref = dict(plain.named_parameters())
     for name, p in pinned.named_parameters():
         assert torch.equal(p.detach(), ref[name].detach()), name

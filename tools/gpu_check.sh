@@ -69,8 +69,9 @@ step() {
 suite() {
     step gpu_tests 420 "$PY" -m pytest -q -rfEs tests/gpu --junitxml="$OUTDIR/gpu_tests.xml" \
         -o cache_dir=/tmp/pytest_cache
+    # with the timeline of iteration 2 (draw it here: tools/plot_timeline.py)
     step demo 90 "$PY" examples/pretrain_gpt.py --snake-offload --snake-offload-dir "$SCRATCH" \
-        --train-iters 10 --log-interval 5
+        --train-iters 10 --log-interval 5 --snake-trace "$OUTDIR/demo_trace.json"
 }
 
 bench() {

@@ -137,7 +137,7 @@ def record_step(a, args, device, trace_path: str) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
     def step(mbs):
-        run.step(mbs)   # annotated snake/forward_backward and snake/optimizer_step
+        run.step(mbs)   # annotated snake/forward_backward and snake/optimizer step
         with torch.profiler.record_function("gpu_trace/synchronize"):
             sync()
 

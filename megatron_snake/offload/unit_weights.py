@@ -25,15 +25,18 @@ from megatron_snake.schedule.unit_store import UnitStore
 
 class OffloadedUnits(UnitStore):
     def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
-                 dtype: torch.dtype, tier: str = "nvme", pinned=(), initial=None):
+                 dtype: torch.dtype, tier: str = "nvme", pinned=(), initial=None,
+                 host_keep_free: int | None = None):
         """Moves the parameters' values into the store. Build ``optimizer`` first: it
         takes its fp32 master copy from the parameters; it then publishes its updated
         weights here. ``pinned``: units whose records stay on the compute device.
         ``initial``: where the values are when the parameters were built out of memory
-        (``InitialWeights``)."""
+        (``InitialWeights``). ``host_keep_free``: the free host buffers the weights a unit
+        reads next leave when they go to host memory (default: the store's)."""
         self.params, self.store, self.device = unit_params, store, device
         self.dtype, self.alpha, self.tier = dtype, optimizer.alpha, tier
         self.pinned = frozenset(pinned)
+        self.host_keep_free = host_keep_free
         self.dp = optimizer.dp
         self.optimizer = optimizer
         optimizer.on_weights = self.publish
@@ -41,6 +44,9 @@ class OffloadedUnits(UnitStore):
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
         self._partial_grads: dict = {}  # layout key -> host sum of earlier snake groups
         self._shared_stale = False    # an update of the shared weights is not in place yet
+        # the layouts in the order the forward sweep updates them
+        self._update_order = [lay.key for unit in range(len(unit_params.units))
+                              for lay in unit_params.layouts_owned_by(unit)]
         previous: list = []
         for lay in unit_params.units:
             flat = initial.flat(lay, dtype=dtype) if initial is not None else \
@@ -111,10 +117,17 @@ class OffloadedUnits(UnitStore):
             handle.wait()
         return self.dp.all_gather(local, lay.numel)
 
-    def publish(self, key, part: str, master: torch.Tensor) -> None:
-        """The optimizer's callback (on its worker): new working weights for one part."""
-        self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier_of(key),
-                       kind="weights")
+    def publish(self, key, part: str, master: torch.Tensor, soon: bool = False) -> None:
+        """The optimizer's callback (on its worker): new working weights for one part.
+        ``soon``: the unit is read next (a deferred update runs one unit ahead), so a unit
+        whose weights live on the drive keeps them in host memory when it has room; the
+        read then evicts them to the drive (``acquire_unit``)."""
+        if soon and key != SHARED and self.tier_of(key) == "nvme":
+            self.store.put(("w", key, part), master.to(self.dtype), tier="host",
+                           kind="weights", spill="nvme", keep_free=self.host_keep_free)
+        else:
+            self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier_of(key),
+                           kind="weights")
         if key == SHARED:
             self._shared_stale = True
 
@@ -129,14 +142,16 @@ class OffloadedUnits(UnitStore):
     def acquire_unit(self, unit, *, next_unit, for_backward):
         owned = self.params.layouts_owned_by(unit)
         for lay in owned:
-            self.optimizer.finish_update(lay.key)
+            self.optimizer.finish_update(lay.key, soon=True)
         if self.params.shared_owner == unit and self._shared_stale:
             self._refresh_shared()
-        if next_unit is not None and not for_backward:
-            for lay in self.params.layouts_owned_by(next_unit):
-                self.optimizer.start_update(lay.key)  # runs while this unit computes
         lay = self.params.units[unit]
         flat = self._read_flat(lay)
+        if next_unit is not None and not for_backward:  # after this unit's reads: its own
+            # reads never queue behind the next update's
+            for owned_next in self.params.layouts_owned_by(next_unit):
+                self.optimizer.start_update(owned_next.key, soon=True)  # runs while this
+                # unit computes
         if self.tier_of(unit) == "nvme":  # drop a prefetch's host copies: the pool is bounded
             for part in PARTS:
                 if ("w", unit, part) in self.store:
@@ -144,16 +159,22 @@ class OffloadedUnits(UnitStore):
         for seg, view in zip(lay.segments, lay.views(flat)):
             seg.param.data = view
         if for_backward:
+            # the drive is mostly idle in the backward sweep: read the optimizer state
+            # the next forward sweep's updates need, one layout at a time
+            self.optimizer.read_ahead_state(self._update_order)
             self._start_gradients(lay)
             if self.params.shared.segments:
                 self._start_gradients(self.params.shared)
-        # Prefetch the next unit, unless an update is about to replace its weights (the
-        # update's write is then read back, or served from memory while still in flight).
-        if next_unit is not None and self.tier_of(next_unit) == "nvme" and \
-                not self.optimizer.pending(self.params.units[next_unit].key):
+        # Prefetch the next unit's parts that are final: a part an update is about to
+        # replace is published into host memory by that update (``publish``), so both
+        # parts are close when the unit is read.
+        if next_unit is not None and self.tier_of(next_unit) == "nvme":
+            key = self.params.units[next_unit].key
             for part in PARTS:
-                if ("w", next_unit, part) in self.store:
-                    self.store.prefetch(("w", next_unit, part), tier="host")
+                if ("w", next_unit, part) in self.store and \
+                        not self.optimizer.pending(key, part):
+                    self.store.prefetch(("w", next_unit, part), tier="host", if_room=True,
+                                        keep_free=self.host_keep_free)
 
     def release_unit(self, unit, *, gradients_final):
         lay = self.params.units[unit]

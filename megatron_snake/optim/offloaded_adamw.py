@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
@@ -94,10 +95,11 @@ class OffloadedAdamW(HostAdamW):
         # fp16: Megatron's loss scaler. Gradients arrive scaled, and whether any of them
         # overflowed is known only at the step boundary, so every update waits for it.
         self.grad_scaler = grad_scaler
-        self._found_inf = torch.zeros(1)
+        self._found_inf = None       # this step's overflow flag, on the gradients' device
         self._inv_scale = 1.0
         self._read_loss_scale()
-        # Called with (layout key, part, new working values) after each part's update.
+        # Called with (layout key, part, new working values, soon) after each part's update;
+        # soon: the weights are read next in this sweep (a deferred part), not a sweep later.
         self.on_weights = on_weights
         self.param_groups = megatron_param_groups(lr, weight_decay)
         self.iteration = 0           # completed steps
@@ -111,6 +113,11 @@ class OffloadedAdamW(HostAdamW):
         # Seconds the worker spent updating, and seconds the caller waited for an update it
         # needed: 1 - blocked_s / update_s of the step is hidden behind compute.
         self.update_s = self.blocked_s = 0.0
+        self._read_ahead: list = []     # handles of the state read ahead last
+        self._read_ahead_keys: list = []  # every record read ahead this step
+        self._read_ahead_next = 0       # position in the forward order, this step
+        self._device_gradients: list = []  # puts of the last gradient still on the device
+        self._queued: list = []         # submitted updates not yet started, in order
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
         previous: list = []
@@ -165,7 +172,8 @@ class OffloadedAdamW(HostAdamW):
         """Wait for the launched reduce-scatters, oldest first, and use their shards."""
         while self._reducing:
             key, pending = self._reducing.pop(0)
-            shard = pending.wait()
+            with timeline.span(f"reduce-scatter {key}", "collective"):
+                shard = pending.wait()
             self.collective_log.append(("wait", key))
             self._gradient_shard(key, shard)
 
@@ -187,28 +195,48 @@ class OffloadedAdamW(HostAdamW):
             self._gradient_shard(key, self.dp.reduce_scatter_mean_async(grad).wait())
 
     def _gradient_shard(self, key, shard: torch.Tensor) -> None:
-        """This rank's shard of the averaged gradient of ``key``: to the grad records, its
-        norms noted, and the backward part's update started when it may run now."""
+        """This rank's shard of the averaged gradient of ``key`` (on the compute device): its
+        overflow flag and norms computed there, without a host synchronisation (both are
+        read once, at the step boundary); its parts handed to the store, which copies them
+        off the device on its own stream into host buffers (host when they fit, else the
+        optimizer's tier); and the backward part's update started when it may run now."""
         lay = self.layouts[key]
         start, end, _ = self.dp.shard(lay.numel)
-        shard = shard.to("cpu", torch.float32, copy=True)
+        shard = shard.detach().float()
         if self.grad_scaler is not None:
-            self._found_inf.fill_(max(float(self._found_inf), float(not shard.isfinite().all())))
+            overflow = shard.isfinite().logical_not().any().float().reshape(1)
+            # kept where the gradients are: a copy to or from the host would synchronise
+            self._found_inf = overflow if self._found_inf is None else \
+                torch.maximum(self._found_inf, overflow)
             # Unscaled once, here, as Megatron unscales main grads before the norm: the grad
             # records hold true gradients.
             shard = shard * self._inv_scale
         for seg, piece in lay.pieces(start, end):
             self._norms[seg.index] = torch.linalg.vector_norm(
                 shard[piece.start - start:piece.stop - start])
+        # Back-pressure on the device: the previous layout's gradient is copied out before
+        # this one is handed over, so at most two layouts' gradients wait there.
+        for handle in self._device_gradients:
+            handle.wait()
+        self._device_gradients = []
         for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
             if hi == lo:
                 continue
-            self.store.put(("grad", key, part), shard[lo - start:hi - start], tier=self.tier,
-                           kind="grad")
+            handle = self._put_gradient(("grad", key, part), shard[lo - start:hi - start])
+            if shard.is_cuda:
+                self._device_gradients.append(handle)
             if part == "bwd" and self.clip_grad == 0 and self.grad_scaler is None:
                 self._submit(key, part, self._hyper)
             else:
                 self._deferred[(key, part)] = self._hyper
+
+    def _put_gradient(self, key, part_of_shard: torch.Tensor) -> None:
+        """A gradient waits for its update in the fastest tier with room: host when the pool
+        has it now, else the optimizer's tier (the drive), so with clipping on (every
+        update waits for the step's norm) the gradients stay off the drive when they fit."""
+        if self.tier == "nvme":
+            return self.store.put(key, part_of_shard, tier="host", kind="grad", spill="nvme")
+        return self.store.put(key, part_of_shard, tier=self.tier, kind="grad")
 
     # --- step boundary -----------------------------------------------------------------
     def step(self):
@@ -217,22 +245,25 @@ class OffloadedAdamW(HostAdamW):
         self._drain_reductions()  # the last unit's gradient: the end of the backward sweep
         self._finish_tied_sums()
         if self.grad_scaler is not None:
-            found = self.dp.max(self._found_inf)
+            found = self.dp.max(self._found_inf.to("cpu") if self._found_inf is not None
+                                else torch.zeros(1))
             if self.model_parallel_group is not None:
                 found = all_reduce_on_backend(found, op=dist.ReduceOp.MAX,
                                               group=self.model_parallel_group)
             found_inf = bool(found[0] > 0)
             self.grad_scaler.update(found_inf)
             self._read_loss_scale()
-            self._found_inf.zero_()
+            self._found_inf = None
             if found_inf:  # Megatron skips the step: drop this step's gradients
                 for key, part in list(self._deferred):
                     self.store.delete(("grad", key, part))
                 self._deferred.clear()
                 self._hyper, self._norms = None, {}
+                self._drop_read_ahead()
                 return False, None, None
-        # The 2-norm of the per-parameter norms, in parameter order, in fp32: the same
-        # arithmetic as torch.nn.utils.clip_grad_norm_ (and Megatron's formula).
+        # The 2-norm of the per-parameter norms, in parameter order, in fp32 (Megatron's
+        # formula; on the CPU the same arithmetic as torch.nn.utils.clip_grad_norm_, on a
+        # GPU each norm is the device's reduction, as in Megatron).
         norms = [self._norms[i] for i in sorted(self._norms) if i in self._in_norm]
         if self.dp.size == 1 and self.model_parallel_group is None:
             total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros([])
@@ -242,45 +273,91 @@ class OffloadedAdamW(HostAdamW):
             if self.model_parallel_group is not None:  # every stage's and TP rank's share
                 squares = all_reduce_on_backend(squares, group=self.model_parallel_group)
             total = squares.sqrt()[0]
+        total = total.to("cpu")   # the step's one read of the device (its norms)
         self._clip_coef = None
         if self.clip_grad > 0:
             self._clip_coef = clip_coefficient(self.clip_grad, total)
         self.iteration += 1
         self._hyper, self._norms = None, {}
+        self._read_ahead_next, self._read_ahead_keys = 0, []
         return True, total.item(), None
+
+    def _drop_read_ahead(self) -> None:
+        """A skipped step updates nothing: the state read ahead for it leaves host memory
+        (the drive's copy stays), so it does not hold the pool through the next step."""
+        for key in self._read_ahead_keys:
+            if key in self.store:
+                self.store.evict(key, tier="nvme")
+        self._read_ahead_next, self._read_ahead_keys = 0, []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in per-unit buffers that start at zero every step."""
 
     # --- forward sweep -----------------------------------------------------------------
-    def start_update(self, key) -> None:
-        """Start the deferred parts of ``key`` on the worker (one unit ahead of compute)."""
+    def start_update(self, key, soon: bool = False) -> None:
+        """Start the deferred parts of ``key`` on the worker. ``soon``: the schedule reads
+        the unit's weights next (one unit ahead of compute in the forward sweep)."""
         if any(k == key for k, _ in self._reducing):
             self._drain_reductions()
         for part in PARTS:
             hyper = self._deferred.pop((key, part), None)
             if hyper is not None:
-                self._submit(key, part, hyper, clip_coef=self._clip_coef)
+                self._submit(key, part, hyper, clip_coef=self._clip_coef, soon=soon)
 
-    def pending(self, key) -> bool:
-        """Whether an update of ``key`` is deferred or running (its weights will change)."""
+    def read_ahead_state(self, order: list) -> None:
+        """Called at each unit of the backward sweep (``order``: the layouts in the order
+        the next forward sweep updates them). Reads the master weights and moments of the
+        next layout whose update will wait for the forward sweep into host memory, if the
+        pool has room: the forward sweep, which also writes every updated state back, then
+        reads none of it from the drive, and the backward sweep's idle drive does the
+        reading. One layout is read at a time: a read still running when the next unit
+        starts means the drive has no slack, and nothing more is asked of it (so the
+        balance follows the measured I/O and compute, not a guess)."""
+        if any(not h.done() for h in self._read_ahead):
+            return
+        deferred = PARTS if (self.clip_grad > 0 or self.grad_scaler is not None) else ("fwd",)
+        while self._read_ahead_next < len(order):
+            key = order[self._read_ahead_next]
+            self._read_ahead_next += 1
+            parts = [p for p, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key]))
+                     if hi > lo and p in deferred]
+            if parts:
+                keys = [(name, key, part) for part in parts for name in STATES]
+                self._read_ahead = [self.store.prefetch(k, tier="host", if_room=True,
+                                                        background=True) for k in keys]
+                self._read_ahead_keys += keys
+                return
+
+    def pending(self, key, part: str | None = None) -> bool:
+        """Whether an update of ``key`` (of its ``part`` only, when given) is deferred or
+        running: its weights will change."""
+        def matches(k, p):
+            return k == key and (part is None or p == part)
         with self._lock:
-            running = any(k == key and not f.done() for (k, _), f in self._running.items())
-        return running or any(k == key for k, _ in self._deferred)
+            running = any(matches(k, p) and not f.done() for (k, p), f in self._running.items())
+        return running or any(matches(k, p) for k, p in self._deferred)
 
-    def finish_update(self, key) -> None:
-        """Block until every part of ``key`` is updated: call before reading its weights."""
-        self.start_update(key)
+    def finish_update(self, key, soon: bool = False) -> None:
+        """Block until every part of ``key`` is updated: call before reading its weights
+        (``soon``: as ``start_update``'s)."""
+        self.start_update(key, soon)
         for part in PARTS:
             with self._lock:
                 fut = self._running.pop((key, part), None)
             if fut is not None and not fut.done():
                 t0 = time.perf_counter()
-                with torch.profiler.record_function("snake/optimizer.wait"):
+                with timeline.span("optimizer.wait", "wait", unit=str(key)):
                     fut.result()
                 self.blocked_s += time.perf_counter() - t0
             elif fut is not None:
                 fut.result()
+
+    def wait_running(self) -> None:
+        """Wait for the updates already running (those deferred stay deferred)."""
+        with self._lock:
+            running = list(self._running.values())
+        for fut in running:
+            fut.result()
 
     def flush(self) -> None:
         """Apply every pending update (before evaluation, a checkpoint, or the end)."""
@@ -378,24 +455,55 @@ class OffloadedAdamW(HostAdamW):
         return torch.tensor(1.0)
 
     # --- the update ----------------------------------------------------------------------
-    def _submit(self, key, part, hyper: StepHyper, clip_coef=None) -> None:
-        fut: Future = self._worker.submit(self._update, key, part, hyper, clip_coef)
+    def _submit(self, key, part, hyper: StepHyper, clip_coef=None, soon=False) -> None:
+        """Queue one part's update on the worker. ``soon``: a deferred part, run one unit
+        ahead of its weights' next read (the new weights are kept close for it)."""
         with self._lock:
             previous = self._running.get((key, part))
-            if previous is not None:
-                previous.result()
+        if previous is not None:  # its writes come first: the reads of this one follow them
+            previous.result()
+        job = {"key": key, "part": part, "reads": None}
+        with self._lock:
+            self._queued.append(job)
+            if len(self._queued) == 1:   # the worker is free for it: read its inputs now
+                job["reads"] = self._read_update_inputs(key, part)
+            fut: Future = self._worker.submit(self._update, job, hyper, clip_coef, soon)
             self._running[(key, part)] = fut
+
+    def _read_update_inputs(self, key, part) -> dict:
+        """Start reading one part's state and gradient (handles)."""
+        return {name: self.store.get((name, key, part), device="cpu")
+                for name in STATES + ("grad",)}
+
+    def _next_job(self, job: dict) -> None:
+        """On the worker, as ``job`` starts: read the inputs of the update queued after it,
+        so its reads overlap this one's arithmetic; at most two updates' inputs are in
+        memory however far the worker falls behind."""
+        with self._lock:
+            self._queued.remove(job)
+            if job["reads"] is None:
+                job["reads"] = self._read_update_inputs(job["key"], job["part"])
+            if self._queued and self._queued[0]["reads"] is None:
+                following = self._queued[0]
+                following["reads"] = self._read_update_inputs(following["key"],
+                                                              following["part"])
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Megatron's ``optimizer.scale_loss``: the loss times the current loss scale."""
         return loss * self.get_loss_scale()
 
-    def _update(self, key, part: str, hyper: StepHyper, clip_coef) -> None:
+    def _update(self, job: dict, hyper: StepHyper, clip_coef, soon: bool) -> None:
+        self._next_job(job)
+        key, part = job["key"], job["part"]
+        with timeline.span(f"update {key} {part}", "optimizer"):
+            self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
+
+    def _update_part(self, key, part: str, hyper: StepHyper, clip_coef, soon: bool,
+                     reads: dict) -> None:
         t0 = time.perf_counter()
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
-        handles = {name: self.store.get((name, key, part)) for name in STATES + ("grad",)}
-        state = {name: h.wait() for name, h in handles.items()}
+        state = {name: h.wait() for name, h in reads.items()}
         grad = state.pop("grad")
         self.store.delete(("grad", key, part))
         if clip_coef is not None:
@@ -407,15 +515,17 @@ class OffloadedAdamW(HostAdamW):
         for decay, pieces in by_decay.items():
             if not pieces:
                 continue
-            fused_adamw_([state["master"][s] for s in pieces], [grad[s] for s in pieces],
-                         [state["exp_avg"][s] for s in pieces],
-                         [state["exp_avg_sq"][s] for s in pieces], step, lr=hyper.lr,
-                         beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                         weight_decay=hyper.weight_decay if decay else 0.0)
+            with timeline.span("fused adamw", "cpu adamw",
+                               params=sum(s.stop - s.start for s in pieces)):
+                fused_adamw_([state["master"][s] for s in pieces], [grad[s] for s in pieces],
+                             [state["exp_avg"][s] for s in pieces],
+                             [state["exp_avg_sq"][s] for s in pieces], step, lr=hyper.lr,
+                             beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                             weight_decay=hyper.weight_decay if decay else 0.0)
         for name in STATES:
             self.store.put((name, key, part), state[name], tier=self.tier, kind="optim")
         if self.on_weights is not None:
-            self.on_weights(key, part, state["master"])
+            self.on_weights(key, part, state["master"], soon=soon)
         self.update_s += time.perf_counter() - t0
 
     def close(self) -> None:

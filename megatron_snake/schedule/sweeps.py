@@ -24,8 +24,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from torch.profiler import record_function
 
+import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
 from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
@@ -51,31 +51,42 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
             with store.compute_event("F", 0, mb):
                 store.save_input(0, mb, inputs[mb])
     outputs = {}
-    for unit in range(stop):
-        with record_function(f"snake/acquire u{unit}"):  # named ranges for traces (gpu_trace)
-            store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None,
-                               for_backward=False)
-        for i in snake_order(unit, len(group)):
-            mb = group[i]
-            with store.compute_event("F", unit, mb), record_function(f"snake/F u{unit} mb{mb}"):
-                if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
-                    store.save_input(0, mb, inputs[mb])
-                hidden = None if units.owns_embedding(unit) else store.load_input(unit, mb)
-                if not forward_only:  # the recompute will replay this unit's dropout
-                    rng_states[(unit, mb)] = rng.capture()
-                with torch.no_grad(), units.autocast():
-                    out = units.forward_unit(unit, hidden, contexts[mb])
-                if hidden is not None and forward_only:
-                    store.drop_input(unit, mb)  # no backward will read it
-                if unit < last:
-                    store.save_input(unit + 1, mb, out)
-                elif ends_model:
-                    loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
-                    outputs[mb] = reported_loss(loss, num_tokens)
-                else:
-                    outputs[mb] = out
-        store.release_unit(unit, gradients_final=False)
+    with timeline.span("forward sweep", "sweep"):
+        for unit in range(stop):
+            _forward_unit(units, contexts, store, group, unit, forward_only=forward_only,
+                          rng_states=rng_states, inputs=inputs, outputs=outputs)
     return outputs
+
+
+def _forward_unit(units: GPTUnits, contexts, store: UnitStore, group: list[int], unit: int, *,
+                  forward_only: bool, rng_states: dict, inputs: dict | None, outputs: dict):
+    """Every micro-batch of ``group`` through ``unit``: one step of the forward sweep."""
+    last = units.num_units - 1
+    with timeline.span(f"acquire u{unit}", "weights"):
+        store.acquire_unit(unit, next_unit=unit + 1 if unit < last else None,
+                           for_backward=False)
+    for i in snake_order(unit, len(group)):
+        mb = group[i]
+        with store.compute_event("F", unit, mb):
+            if unit == 0 and inputs:  # what the previous stage sent: unit 0's checkpoint
+                store.save_input(0, mb, inputs[mb])
+            hidden = None if units.owns_embedding(unit) else store.load_input(unit, mb)
+            if not forward_only:  # the recompute will replay this unit's dropout
+                rng_states[(unit, mb)] = rng.capture()
+            with timeline.span(f"F u{unit} mb{mb}", "compute"), torch.no_grad(), \
+                    units.autocast():
+                out = units.forward_unit(unit, hidden, contexts[mb])
+            if hidden is not None and forward_only:
+                store.drop_input(unit, mb)  # no backward will read it
+            if unit < last:
+                store.save_input(unit + 1, mb, out)
+            elif units.owns_head(last):
+                loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
+                outputs[mb] = reported_loss(loss, num_tokens)
+            else:
+                outputs[mb] = out
+    with timeline.span(f"release u{unit}", "weights"):
+        store.release_unit(unit, gradients_final=False)
 
 
 def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int], *,
@@ -97,33 +108,49 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                                device=contexts[group[0]].batch["loss_mask"].device)
     grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
     store.begin_group(group)
-    for unit in range(last, -1, -1):
-        with record_function(f"snake/acquire u{unit}"):
-            store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
-        for i in snake_order(unit, len(group)):
-            mb = group[i]
-            with store.compute_event("B", unit, mb), record_function(f"snake/B u{unit} mb{mb}"):
-                ctx = contexts[mb]
-                hidden = None
-                if not units.owns_embedding(unit):
-                    hidden = store.load_input(unit, mb).detach().requires_grad_(True)
-                # The loss unit runs here for the first time: nothing to replay.
-                state = rng_states.pop((unit, mb), None)
-                replay = rng.replay(state) if state is not None else nullcontext()
+    with timeline.span("backward sweep", "sweep"):
+        for unit in range(last, -1, -1):
+            total_tokens += _backward_unit(units, contexts, store, group, unit,
+                                           rng_states=rng_states, losses=losses,
+                                           grad_of_output=grad_of_output,
+                                           num_microbatches=num_microbatches,
+                                           gradients_final=gradients_final)
+    return losses, total_tokens, grad_of_output
+
+
+def _backward_unit(units: GPTUnits, contexts, store: UnitStore, group: list[int], unit: int, *,
+                   rng_states: dict, losses: dict, grad_of_output: dict, num_microbatches: int,
+                   gradients_final: bool):
+    """Recompute and backpropagate every micro-batch of ``group`` through ``unit``: one step
+    of the backward sweep. Returns the loss tokens counted (0 unless it ends the model)."""
+    tokens = 0
+    with timeline.span(f"acquire u{unit}", "weights"):
+        store.acquire_unit(unit, next_unit=unit - 1 if unit > 0 else None, for_backward=True)
+    for i in snake_order(unit, len(group)):
+        mb = group[i]
+        with store.compute_event("B", unit, mb):
+            ctx = contexts[mb]
+            hidden = None
+            if not units.owns_embedding(unit):
+                hidden = store.load_input(unit, mb).detach().requires_grad_(True)
+            # The loss unit runs here for the first time: nothing to replay.
+            state = rng_states.pop((unit, mb), None)
+            replay = rng.replay(state) if state is not None else nullcontext()
+            with timeline.span(f"B u{unit} mb{mb}", "compute"):
                 with replay, torch.enable_grad(), units.autocast(), store.saved_tensors():
                     out = units.forward_unit(unit, hidden, ctx)
                 if units.owns_head(unit):
                     loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])
                     losses[mb] = reported_loss(loss, num_tokens)
-                    total_tokens += num_tokens
+                    tokens = tokens + num_tokens
                     torch.autograd.backward(scale_for_backward(loss, num_tokens,
                                                                num_microbatches, units.config))
                 else:
                     torch.autograd.backward(out, grad_tensors=grad_of_output.pop(mb))
                 del out
-                if hidden is not None:
-                    grad_of_output[mb] = hidden.grad
-                    store.drop_input(unit, mb)
-        with record_function(f"snake/release u{unit}"):
-            store.release_unit(unit, gradients_final=gradients_final)
-    return losses, total_tokens, grad_of_output
+            if hidden is not None:
+                grad_of_output[mb] = hidden.grad
+                store.drop_input(unit, mb)
+    with timeline.span(f"release u{unit}", "weights"):
+        store.release_unit(unit, gradients_final=gradients_final)
+    return tokens

@@ -140,6 +140,17 @@ class HostBufferPool:
                 self._resident += n
             return self._take(n)
 
+    def try_acquire_resident(self, n: int, keep_free: int):
+        """n resident buffers if they fit now with ``keep_free`` buffers still free for
+        staging (created or not), else None at once: a record that may go to a slower
+        tier instead (``TensorStore.put``'s ``spill``) never waits for host memory."""
+        with self._cv:
+            # at least one buffer stays free: the drive's I/O needs one to make progress
+            if self._available() - n < max(1, keep_free):
+                return None
+            self._resident += n
+            return self._take(n)
+
     def release(self, buffers, resident=False):
         with self._cv:
             self._free.extend(buffers)

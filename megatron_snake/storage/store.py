@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import megatron_snake.timeline as timeline
 from megatron_snake.storage.directory import RankDir
 from megatron_snake.storage.engine import make_engine
 from megatron_snake.storage.errors import IntegrityError, OffloadIOError
@@ -69,7 +70,7 @@ class Handle:
         if self._future.done():        # nothing to wait for: count no time
             return self._future.result()
         t0 = time.perf_counter()
-        with torch.profiler.record_function("snake/store.wait"):
+        with timeline.span("store.wait", "wait", prefetched=prefetched):
             result = self._future.result()
         self._store.counters.add_blocked(time.perf_counter() - t0, prefetched)
         return result
@@ -114,6 +115,7 @@ class Counters:
     prefetch_wait_s: float = 0.0   # the part of blocked_s spent on reads issued ahead of use
     queue_depth: int = 0
     max_queue_depth: int = 0
+    spilled: int = 0   # host copies asked for only if there was room, and not made
     # kind -> tier -> [bytes read, bytes written]: which state moved (weights, optim, ...)
     by_kind: dict = field(default_factory=dict)
 
@@ -129,6 +131,10 @@ class Counters:
                 per_tier = self.by_kind.setdefault(kind, {t: [0, 0] for t in TIERS})[tier]
                 per_tier[0] += nread
                 per_tier[1] += nwritten
+
+    def add_spilled(self):
+        with self._lock:
+            self.spilled += 1
 
     def add_blocked(self, seconds, prefetched=False):
         with self._lock:
@@ -281,6 +287,10 @@ class TensorStore:
                                            thread_name_prefix="snake-store-read")
         self._writers = ThreadPoolExecutor(max_workers=workers,
                                            thread_name_prefix="snake-store-write")
+        # Read-ahead that may be skipped (``prefetch(if_room=True)``: state a later sweep
+        # needs) has two workers of its own: a read needed now never queues behind it.
+        self._background = ThreadPoolExecutor(max_workers=2,
+                                              thread_name_prefix="snake-store-ahead")
         self._cuda = torch.cuda.is_available() and self.device.type == "cuda"
         self._d2h = self._h2d = None      # copy streams (CUDA only); None = current stream
         if self._cuda:
@@ -296,12 +306,22 @@ class TensorStore:
         self._queued_bytes = 0
         self._queued_cv = threading.Condition()
         self.queued_waits = 0      # puts that waited for the queue to drain
+        # Host buffers a put with ``spill`` leaves free (the drive's staging, and host
+        # records the placement planned); the offloaded state sets it from its plan.
+        self.spill_keep_free = max(1, self.pool.count // 4)
 
     # ================================================================ public API
 
-    def put(self, key, tensor, tier="nvme", kind="misc"):
-        """Store a copy of `tensor` under `key` on `tier`; replaces any previous value."""
+    def put(self, key, tensor, tier="nvme", kind="misc", spill=None, keep_free=None):
+        """Store a copy of `tensor` under `key` on `tier`; replaces any previous value.
+        ``spill``: with tier "host", the tier the copy goes to instead when the host pool
+        has no room for it now, rather than waiting or raising: host when it fits, the
+        drive when not. Room means ``keep_free`` buffers (default ``spill_keep_free``:
+        the drive's staging and the host records the placement planned) stay free."""
         self._check_tier(tier)
+        if spill is not None and (tier != "host" or spill != "nvme"):
+            raise ValueError(f"put({key!r}): spill={spill!r} applies to tier 'host' and "
+                             "spills to 'nvme'")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}): expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
@@ -318,7 +338,8 @@ class TensorStore:
             e.source, e.ready = tensor, ready
             prev = old.last if old is not None else None
             self._entries[key] = e
-            fut = self._writers.submit(self._run_put, e, old, prev, tensor, tier, ready)
+            room = None if spill is None else self._room(keep_free)
+            fut = self._writers.submit(self._run_put, e, old, prev, tensor, tier, ready, room)
             e.last = fut
         fut.add_done_callback(lambda _: self._release_queue(nbytes))
         return Handle(fut, self)
@@ -365,10 +386,22 @@ class TensorStore:
                 # holding the tensor it returns (the caller's, freed when the caller drops it)
         return Handle(fut, self)
 
-    def prefetch(self, key, tier="host"):
-        """Ensure a copy of `key` on `tier` (host or gpu), keeping the slower copy."""
+    def prefetch(self, key, tier="host", if_room=False, background=False, keep_free=None):
+        """Ensure a copy of `key` on `tier` (host or gpu), keeping the slower copy.
+        ``if_room`` (host): only if the pool has room now, as a ``put`` with ``spill``
+        and ``keep_free`` (else nothing happens: a prefetch that may be skipped never
+        waits or raises). ``background``: a read-ahead for later, on workers of its own
+        (reads needed soon never queue behind it)."""
         self._check_tier(tier)
-        return self._chain(self._readers, key, self._run_prefetch, tier)
+        if if_room and tier != "host":
+            raise ValueError(f"prefetch({key!r}): if_room applies to the host tier")
+        room = self._room(keep_free) if if_room else None
+        return self._chain(self._background if background else self._readers, key,
+                           self._run_prefetch, tier, room)
+
+    def _room(self, keep_free):
+        """The free host buffers a copy made only if there is room must leave."""
+        return max(1, self.spill_keep_free if keep_free is None else keep_free)
 
     def evict(self, key, tier="nvme"):
         """Move `key` down to `tier`: write it there if it is not there yet, then drop the
@@ -451,8 +484,8 @@ class TensorStore:
             return
         self._closed = True
         self.synchronize()
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
+        for pool in (self._readers, self._writers, self._background):
+            pool.shutdown(wait=True)
         self.engine.close()
         if self.gds is not None:
             self.gds.close()
@@ -566,9 +599,30 @@ class TensorStore:
         e.gpu = copy
         self.counters.add("gpu", nwritten=e.nbytes, kind=e.kind)
 
-    def _write_host(self, e, src_bytes):
+    def _host_buffers(self, e, segs, room):
+        """Resident host buffers for e's segments. ``room`` None: wait for them (raise
+        HostMemoryError when they could never fit); else only if they fit now with
+        ``room`` buffers left free, else None."""
+        if room is None:
+            return self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") \
+                if segs else []
+        bufs = self.pool.try_acquire_resident(len(segs), room)
+        if bufs is None:
+            self.counters.add_spilled()
+        return bufs
+
+    def _write_host(self, e, src_bytes, room=None):
+        """Copy e to host buffers (``room``: as ``_host_buffers``). False when it was not
+        written (no room)."""
         segs = self._segments(e.nbytes)
-        bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
+        bufs = self._host_buffers(e, segs, room)
+        if bufs is None:
+            return False
+        with timeline.span(f"host write {e.kind}", "host copy", bytes=e.nbytes):
+            self._write_host_buffers(e, src_bytes, segs, bufs)
+        return True
+
+    def _write_host_buffers(self, e, src_bytes, segs, bufs):
         try:
             _copy(self._d2h, [(self._payload(buf, b - a), src_bytes[a:b])
                               for buf, (_, a, b) in zip(bufs, segs)])
@@ -584,6 +638,10 @@ class TensorStore:
 
     def _write_nvme(self, e, src_bytes=None):
         """Write e to its swap file, from src_bytes (staging buffers) or from e.host."""
+        with timeline.span(f"drive write {e.kind}", "drive", bytes=e.nbytes):
+            self._write_nvme_records(e, src_bytes)
+
+    def _write_nvme_records(self, e, src_bytes):
         f = self._file(e.kind)
         segs = self._segments(e.nbytes)
         extents, pending = [], []      # pending: (request, buffer or None)
@@ -710,6 +768,10 @@ class TensorStore:
     def _read_nvme(self, e, dst_bytes=None, into_host=None):
         """Read e's records; verify each; copy payloads to dst_bytes or keep them in the
         given host buffers (into_host: list of buffers, one per segment)."""
+        with timeline.span(f"drive read {e.kind}", "drive", bytes=e.nbytes):
+            self._read_nvme_records(e, dst_bytes, into_host)
+
+    def _read_nvme_records(self, e, dst_bytes, into_host):
         f = self._files[e.kind]
         segs = self._segments(e.nbytes)
         pending = []   # (request, staging buffer or None, seg, a, b, host buffer)
@@ -773,8 +835,9 @@ class TensorStore:
             return
         dst_bytes = _as_bytes(dst)
         if e.host is not None:
-            _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))
-                              for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))])
+            with timeline.span(f"host read {e.kind}", "host copy", bytes=e.nbytes):
+                _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))
+                                  for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))])
             self.counters.add("host", nread=e.nbytes, kind=e.kind)
             return
         if e.nvme is not None and e.gds:
@@ -804,7 +867,11 @@ class TensorStore:
             e.nvme = None
         e.gpu = None
 
-    def _run_put(self, e, old, prev, tensor, tier, ready):
+    def _run_put(self, e, old, prev, tensor, tier, ready, room=None):
+        with timeline.span(f"put {e.kind}", "store", tier=tier, bytes=e.nbytes):
+            self._put(e, old, prev, tensor, tier, ready, room)
+
+    def _put(self, e, old, prev, tensor, tier, ready, room):
         try:
             try:
                 self._wait_prev(prev)
@@ -815,14 +882,18 @@ class TensorStore:
             src = self._contiguous_source(tensor, ready)
             if tier == "gpu":
                 self._write_gpu(e, src)
-            elif e.nbytes == 0:
+                return
+            if e.nbytes == 0:
                 if tier == "host":
                     e.host = []
                 else:
                     e.nvme = []
-            elif tier == "host":
-                self._write_host(e, _as_bytes(src))
-            elif self.gds is not None and src.is_cuda:
+                return
+            if tier == "host":
+                written = self._write_host(e, _as_bytes(src), room=room)
+                if written:
+                    return   # else it may spill (room given) and there was none: the drive
+            if self.gds is not None and src.is_cuda:
                 self._write_nvme_gds(e, _as_bytes(src))
             else:
                 self._write_nvme(e, src_bytes=_as_bytes(src))
@@ -836,6 +907,10 @@ class TensorStore:
         return self._finish(dst, result)
 
     def _run_get(self, e, prev, free, dst, result):
+        with timeline.span(f"get {e.kind}", "store", bytes=e.nbytes):
+            return self._get(e, prev, free, dst, result)
+
+    def _get(self, e, prev, free, dst, result):
         self._wait_prev(prev)
         if e.gds and e.gpu is None and e.host is None and dst.is_cuda:
             # kvikio writes into dst outside any stream's order: wait here, on the host,
@@ -846,7 +921,11 @@ class TensorStore:
         self._read_into(e, dst)
         return self._finish(dst, result)
 
-    def _run_prefetch(self, e, prev, tier):
+    def _run_prefetch(self, e, prev, tier, room=None):
+        with timeline.span(f"prefetch {e.kind}", "store", tier=tier, bytes=e.nbytes):
+            self._prefetch(e, prev, tier, room)
+
+    def _prefetch(self, e, prev, tier, room):
         self._wait_prev(prev)
         if tier == "nvme" or (tier == "gpu" and e.gpu is not None) or (tier == "host" and e.host is not None):
             if tier == "nvme" and e.nvme is None:
@@ -866,10 +945,12 @@ class TensorStore:
                 with _on(self._h2d):
                     src = torch.empty(e.shape, dtype=e.dtype, device=self.device)
                 self._read_into(e, src)
-            self._write_host(e, _as_bytes(src))
+            self._write_host(e, _as_bytes(src), room=room)
             return
         segs = self._segments(e.nbytes)
-        bufs = self.pool.acquire(len(segs), resident=True, what=f"key {e.key!r}") if segs else []
+        bufs = self._host_buffers(e, segs, room)
+        if bufs is None:
+            return
         try:
             self._read_nvme(e, into_host=bufs)
         except BaseException:

@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --snake-offload: print the pre-flight (the bytes each tier "
                         "needs: the device's working set, host memory, drive space), check "
                         "it, and exit before the model is built")
+    g.add_argument("--snake-trace", default=None, metavar="FILE",
+                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev, "
+                        "tools/plot_timeline.py) of one training iteration to FILE: compute, "
+                        "each store worker, the drive, the optimizer worker, collectives and "
+                        "waits, one row per thread")
+    g.add_argument("--snake-trace-iteration", type=int, default=2,
+                   help="the iteration of this run --snake-trace records, counted from 1 "
+                        "(default 2: the first steady one; the last if the run is shorter)")
     g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
                    help="how offloaded bytes reach the drive: auto (native io_uring, else "
                         "the native thread pool, else Python), uring, threads (the native "
@@ -252,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the CPU update in the background during the next update "
                         "interval (it lands one interval later) instead of at once")
     return p
+
+
+def _validate_trace(args, parser) -> None:
+    if args.snake_trace_iteration < 1:
+        _fail(parser, "--snake-trace-iteration", "must be >= 1 (iterations of this run "
+              f"count from 1), got {args.snake_trace_iteration}")
+    if args.snake_trace is None:
+        return
+    folder = os.path.dirname(os.path.abspath(args.snake_trace))
+    if os.path.isdir(args.snake_trace) or not os.path.isdir(folder) or \
+            not os.access(folder, os.W_OK):
+        _fail(parser, "--snake-trace", f"{args.snake_trace!r} must name a file in an "
+              "existing, writable directory (it is written at the traced iteration)")
 
 
 def _fail(parser: argparse.ArgumentParser, flag: str, message: str):
@@ -385,6 +406,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         _fail(parser, "--snake-dry-run", "estimates --snake-offload's run; add "
               "--snake-offload or drop the flag")
     _validate_io_engine(args, parser)
+    _validate_trace(args, parser)
     if args.snake_offload:
         _check(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)

@@ -18,6 +18,7 @@ import torch
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
+import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.optim.adamw import HostAdamW
@@ -57,10 +58,10 @@ class Run:
         if hasattr(self.model, "zero_grad_buffer"):   # Megatron's DDP gradient buffers
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # named ranges for torch.profiler traces (next to nothing when none is recording)
-        with torch.profiler.record_function("snake/forward_backward"):
+        # named ranges for --snake-trace and torch.profiler (next to nothing otherwise)
+        with timeline.span("forward_backward", "step"):
             result = self.forward_backward(self.model, microbatches)
-        with torch.profiler.record_function("snake/optimizer_step"):
+        with timeline.span("optimizer step", "step boundary"):
             update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)

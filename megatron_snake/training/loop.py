@@ -6,6 +6,7 @@ run (``build.build_run``) and hands it to one ``Trainer``: train, evaluate, save
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.storage.safe_files import write_file_atomically
 from megatron_snake.training import (checkpointing, distributed, offloaded_state,
                                      preflight)
 from megatron_snake.training.build import Run, build_run
@@ -149,6 +152,19 @@ class Trainer:
             parts.append(self.run.optimizer.log_fields())
         return " | ".join(p for p in parts if p)
 
+    def _write_trace(self, recorded: timeline.Timeline) -> None:
+        """--snake-trace: this rank's timeline of the traced iteration (one file per rank
+        when there are several: FILE's name with .rankN before its extension)."""
+        path = self.args.snake_trace
+        if dist.get_world_size() > 1:
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}.rank{dist.get_rank()}{ext}"
+        # a new 0600 file, never written through a link planted at the path
+        write_file_atomically(path, json.dumps(recorded.chrome_trace()).encode(),
+                              what="--snake-trace file")
+        self.log.print(f"> --snake-trace: iteration {self.iteration + 1} written to {path} "
+                       f"({len(recorded.spans)} spans)")
+
     def train(self) -> list[float]:
         """Step to ``--train-iters`` (or ``--exit-interval``). Returns each step's lm loss."""
         args, run = self.args, self.run
@@ -156,9 +172,16 @@ class Trainer:
         run.model.train()
         history = []
         self.log.start_interval()
+        traced = min(self.iteration + args.snake_trace_iteration, args.train_iters) \
+            if args.snake_trace else None
         while self.iteration < args.train_iters:
             mbs = _next_microbatches(train_iter, args.num_microbatches, run.device)
-            step = run.step(mbs)
+            if self.iteration + 1 == traced:
+                with timeline.recording() as recorded:
+                    step = run.step(mbs)
+                self._write_trace(recorded)
+            else:
+                step = run.step(mbs)
             self.iteration += 1
             self.consumed += args.global_batch_size
             lm_loss = _lm_loss(step.result.losses, mbs)

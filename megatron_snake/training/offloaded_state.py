@@ -235,6 +235,38 @@ def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: 
             "(--snake-param-tier / --snake-optimizer-tier / --snake-activation-tier nvme)")
 
 
+@dataclass(frozen=True)
+class HostRoom:
+    """Host buffers a copy made only if there is room must leave free (TensorStore's
+    ``spill``/``if_room``): the drive's staging and what the placement planned for the
+    host tier are never crowded out by records that can go to the drive instead."""
+
+    spill: int     # gradients waiting for their update, optimizer state read ahead
+    weights: int   # the weights a unit reads next (prefetch, a just-updated part): they
+    #                may also use the two units' worth reserved for them
+
+
+def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int,
+              unit_weight_buffers: int) -> HostRoom:
+    """``HostRoom`` from the placement: an eighth of the pool for staging, the host tiers
+    chosen, the unit inputs on the host (or the activation plan's budget under ``auto``,
+    plus one buffer per checkpoint for rounding), and two units' weights
+    (``unit_weight_buffers`` each) reserved for the weights read next. With saved tensors
+    offloaded to the host (their size is known only while running) nothing spills to
+    host memory."""
+    staging = max(1, pool_buffers // 8)
+    if args.snake_activation_offload and args.snake_activation_tier == "host":
+        return HostRoom(pool_buffers, pool_buffers)
+    planned = (need.weights if tiers.params == "host" else 0) \
+        + (need.optimizer if tiers.optimizer == "host" else 0)
+    if args.snake_activation_tier == "host":
+        planned += need.unit_inputs
+    elif args.snake_activation_tier == "auto":   # the planner's budget (step.py), in bytes
+        planned += pool_buffers // 2 + checkpoints_per_step(args)
+    reserve = 0 if tiers.params == "host" else 2 * unit_weight_buffers
+    return HostRoom(spill=staging + planned + reserve, weights=staging + planned)
+
+
 def saves_to_offload_drive(args, offload_path: str) -> bool:
     """Whether ``--save`` is on the file system of the offload directory."""
     if not args.save:
@@ -359,6 +391,11 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     error, capacity = None, (0, 0)
     try:
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
+        unit_weights = max((sum(store.host_buffers_for((hi - lo) * elem)
+                                for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp))
+                            for lay in params.units), default=0)
+        room = host_room(args, tiers, need, store.pool.count, unit_weights)
+        store.spill_keep_free = room.spill
         planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
         if initial is not None:   # held until the state is built from them: counted too
             planned += initial.nbytes
@@ -384,7 +421,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                model_parallel_group=_model_parallel_group(),
                                embedding_group=_embedding_group(gpt), initial=initial)
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=tiers.params, pinned=pinned, initial=initial)
+                             tier=tiers.params, pinned=pinned, initial=initial,
+                             host_keep_free=room.weights)
     if initial is not None:
         initial.drop()
     return OffloadedState(units, weights, optimizer, tiers, capacity)

@@ -285,9 +285,6 @@ def test_steady_step_report(steady_step):
 
 
 @requires_cuda
-@pytest.mark.xfail(strict=True, reason="known: one blocking device-to-host gradient copy per "
-                   "unit in OffloadedAdamW._gradient_shard (the overlap issue's side-stream "
-                   "copies remove it); strict, so the fix shows as XPASS")
 def test_steady_step_syncs_only_at_allowed_sites(steady_step):
     recorder, _, units, _ = steady_step
     assert not recorder.unattributed, \

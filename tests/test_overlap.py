@@ -1,0 +1,289 @@
+"""Overlap mechanisms (issue: the device never waits for the host or the drive): gradients
+in the fastest tier with room, norms where the gradients are, updated weights kept close
+for their read, the emulated device and its roofline, and --snake-trace."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import build_model, make_microbatches, tiny_args
+import megatron_snake.timeline as timeline
+from megatron_snake import vertical_forward_backward
+from megatron_snake.models.emulated_compute import (emulate_compute, layer_flops_per_token,
+                                                    unit_forward_flops)
+from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
+from megatron_snake.offload.unit_weights import OffloadedUnits
+from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW
+from megatron_snake.optim.unit_params import UnitParams
+from megatron_snake.schedule.unit_store import CombinedStore
+from megatron_snake.storage.store import TensorStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the store: host when it fits, else the drive ---------------------------------------
+def test_a_spillable_put_goes_to_host_when_it_fits_and_to_the_drive_when_not(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=64 * MiB, buffer_bytes=MiB) as store:
+        store.spill_keep_free = 16
+        store.put("small", torch.ones(8 * MiB // 4), tier="host", spill="nvme").wait()
+        assert store.tiers("small") == ["host"]
+        # 64 buffers, 8 resident, 16 kept free: 40 more fit, 48 do not
+        big = torch.arange(48 * MiB // 4, dtype=torch.float32)
+        store.put("big", big, tier="host", spill="nvme").wait()
+        assert store.tiers("big") == ["nvme"], "no room: written to the drive, not raised"
+        assert torch.equal(store.get("big").wait(), big)
+        assert store.counters.spilled == 1
+        with pytest.raises(ValueError, match="spill"):
+            store.put("x", big, tier="nvme", spill="host")
+
+
+def test_a_prefetch_if_room_is_skipped_when_the_pool_has_none(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=64 * MiB, buffer_bytes=MiB) as store:
+        store.put("k", torch.ones(4 * MiB // 4), tier="nvme").wait()
+        store.spill_keep_free = store.pool.count   # as if the plan held every buffer
+        store.prefetch("k", "host", if_room=True, background=True).wait()
+        assert store.tiers("k") == ["nvme"], "skipped, not raised, not waited"
+        store.spill_keep_free = 1
+        store.prefetch("k", "host", if_room=True).wait()
+        assert store.tiers("k") == ["host", "nvme"]
+
+
+# --- gradients and their norms -----------------------------------------------------------
+def _optimizer_with_gradients(model, tmp_path, *, clip, host_limit, seed=0):
+    params = UnitParams.of(GPTUnits(model, 2))
+    tmp_path.mkdir(exist_ok=True)
+    store = TensorStore(tmp_path, host_memory_limit=host_limit)
+    opt = OffloadedAdamW(params, store, lr=1e-3, weight_decay=0.0, clip_grad=clip, alpha=0.3)
+    gen = torch.Generator().manual_seed(seed)
+    grads = {lay.key: torch.randn(lay.numel, generator=gen) for lay in params.all_layouts()}
+    for key, grad in grads.items():
+        opt.gradient_ready(key, grad.clone())
+    store.synchronize()
+    return store, opt, params, grads
+
+
+def test_clipping_keeps_gradients_on_the_host_tier_when_they_fit(megatron_world, tmp_path):
+    model = build_model(tiny_args(), megatron_world)
+    store, opt, params, _ = _optimizer_with_gradients(model, tmp_path / "a", clip=1.0,
+                                                      host_limit=256 * MiB)
+    try:
+        keys = [k for k in store.keys() if k[0] == "grad"]
+        assert keys and all(store.tiers(k) == ["host"] for k in keys), \
+            "gradients waiting for the global norm sit in host memory"
+        assert store.counters.by_kind["grad"]["nvme"] == [0, 0], "none went to the drive"
+    finally:
+        opt.close()
+        store.close()
+    # a pool with no room beyond what is kept free: the drive
+    store, opt, _, _ = _optimizer_with_gradients(model, tmp_path / "b", clip=1.0,
+                                                 host_limit=16 * MiB)
+    try:
+        store.spill_keep_free = store.pool.count   # as if the plan held the whole pool
+        opt.gradient_ready(0, torch.ones(params.units[0].numel))
+        store.synchronize()
+        assert all(store.tiers(("grad", 0, part)) == ["nvme"] for part in PARTS
+                   if ("grad", 0, part) in store)
+    finally:
+        opt.close()
+        store.close()
+
+
+def test_gradient_norms_computed_where_the_gradients_are_equal_torchs(megatron_world,
+                                                                      tmp_path):
+    model = build_model(tiny_args(), megatron_world)
+    store, opt, params, grads = _optimizer_with_gradients(model, tmp_path, clip=1.0,
+                                                          host_limit=256 * MiB)
+    try:
+        assert all(n.device == grads[0].device for n in opt._norms.values())
+        _, grad_norm, _ = opt.step()
+        # torch's own norm over the same per-parameter gradients (every parameter counts:
+        # no tensor-parallel duplicates here)
+        pieces = [grads[lay.key][seg.offset:seg.offset + seg.numel]
+                  for lay in params.all_layouts() for seg in lay.segments]
+        expected = torch.nn.utils.get_total_norm(pieces)
+        assert grad_norm == pytest.approx(expected.item(), rel=1e-6)
+        assert opt._clip_coef.device.type == "cpu", "the update on the CPU worker uses it"
+    finally:
+        opt.close()
+        store.close()
+
+
+# --- weights: updated just before their read, kept close ---------------------------------
+def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
+        megatron_world, tmp_path):
+    torch.manual_seed(0)
+    model = build_model(tiny_args(), megatron_world)
+    units = GPTUnits(model, 2)
+    params = UnitParams.of(units)
+    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+                             alpha=0.3)
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32)
+        published, publish = [], weights.publish
+
+        def watch(key, part, master, soon=False):
+            published.append((key, part, soon))
+            publish(key, part, master, soon=soon)
+
+        opt.on_weights = watch
+        for step in range(2):
+            mbs = make_microbatches(2, seed=step)
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
+                                  weights)
+            vertical_forward_backward(model, mbs, checkpoint_interval=2, store=store)
+            store.inputs.finish_step()
+            opt.step()
+        tstore.synchronize()
+        # step 2's forward sweep applied step 1's clipped updates one unit ahead
+        unit_updates = [p for p in published if p[0] in range(units.num_units)]
+        assert unit_updates and all(soon for _, _, soon in unit_updates)
+        assert tstore.counters.by_kind["weights"]["host"][1] > 0, "published into host"
+        # every unit read since then: its weights are back on the drive only (no host copy
+        # left behind: the pool is not filled by weights)
+        for unit in range(units.num_units):
+            for part in PARTS:
+                if ("w", unit, part) in tstore:
+                    assert tstore.tiers(("w", unit, part)) == ["nvme"], (unit, part)
+        weights.load_all()
+        opt.close()
+
+
+def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(megatron_world,
+                                                                           tmp_path):
+    torch.manual_seed(0)
+    model = build_model(tiny_args(), megatron_world)
+    params = UnitParams.of(GPTUnits(model, 2))
+    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+                             alpha=0.3)
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32)
+        store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
+                              weights)
+        vertical_forward_backward(model, make_microbatches(2, seed=0), checkpoint_interval=2,
+                                  store=store)
+        store.inputs.finish_step()
+        tstore.synchronize()
+        # the first layout the next forward sweep updates has its master weights and
+        # moments in host memory (and still on the drive); the read ahead was issued in
+        # the backward sweep, before the step boundary
+        first = weights._update_order[0]
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            for part in PARTS:
+                assert tstore.tiers((name, first, part)) == ["host", "nvme"], (name, part)
+        opt.step()
+        read_before = tstore.counters.by_kind["optim"]["nvme"][0]
+        opt.flush()   # the update of that layout reads nothing of it from the drive
+        tstore.synchronize()
+        assert all(tstore.tiers((name, first, part)) == ["nvme"]
+                   for name in ("master", "exp_avg", "exp_avg_sq") for part in PARTS), \
+            "the update wrote the new state to its tier and freed the host copy"
+        assert tstore.counters.by_kind["optim"]["nvme"][0] - read_before < \
+            sum(4 * 3 * lay.numel for lay in params.all_layouts()), \
+            "part of the state came from host memory"
+        weights.load_all()
+        opt.close()
+
+
+# --- the emulated device and its roofline -------------------------------------------------
+def test_the_emulated_device_waits_the_flops_over_its_rate_and_restores_the_units(
+        megatron_world, tmp_path):
+    args = tiny_args()
+    model = build_model(args, megatron_world)
+    units = GPTUnits(model, 2)
+    mbs = make_microbatches(2, seed=0)
+    before = vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
+    model.zero_grad()
+    tflops = 1e-6   # slow enough to dwarf the host's own time
+    with emulate_compute(units, tflops), timeline.recording() as recorded:
+        vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
+    waits = [s for s in recorded.spans if s["cat"] == "device"]
+    batch, seq = mbs[0]["tokens"].shape
+    # forward sweep: units 0..U-2 once per micro-batch; backward: every unit, 1 + 2 waits
+    flops = sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units - 1))
+    flops += 3 * sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units))
+    nominal = sum(s["args"]["seconds"] for s in waits)
+    assert nominal == pytest.approx(len(mbs) * flops / (tflops * 1e12), rel=1e-9)
+    assert all(s["end"] - s["start"] >= s["args"]["seconds"] for s in waits)
+    assert layer_flops_per_token(units.config, seq) > 0
+    model.zero_grad()
+    after = vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
+    assert [torch.equal(a, b) for a, b in zip(before, after)] == [True] * len(mbs), \
+        "outside the block the units compute again, the same numbers"
+
+
+def _span(name, cat, start, end, **args):
+    return {"name": name, "cat": cat, "thread": "t", "start": start, "end": end, "args": args}
+
+
+def test_the_roofline_is_the_busiest_resource_per_phase_on_a_synthetic_step():
+    bench = _tool("bench_overlap")
+    rates = {"drive_read": 100.0, "drive_write": 50.0, "copy": 1000.0, "adamw": 10.0}
+    spans = [
+        _span("forward_backward", "step", 0.0, 9.0),
+        _span("forward sweep", "sweep", 0.0, 4.0),
+        _span("device", "device", 0.1, 1.1, seconds=1.0),          # forward: compute 1 s
+        _span("drive read grad", "drive", 0.2, 2.0, bytes=200),     # 2 s
+        _span("drive write optim", "drive", 0.3, 3.0, bytes=100),   # + 2 s = drive 4 s
+        _span("fused adamw", "cpu adamw", 0.5, 1.0, params=20),     # 2 s
+        _span("backward sweep", "sweep", 4.0, 9.0),
+        _span("device", "device", 4.0, 7.0, seconds=3.0),           # backward: compute 3 s
+        _span("host write ckpt", "host copy", 4.0, 4.5, bytes=500),  # 0.5 s
+        _span("fused adamw", "cpu adamw", 5.0, 6.0, params=10),     # 1 s
+        _span("optimizer step", "step boundary", 9.0, 10.0),
+    ]
+    out = bench.roofline(spans, rates)
+    assert out["measured_s"] == 10.0
+    assert out["phases"]["forward"]["roofline_s"] == pytest.approx(4.0)   # the drive
+    assert out["phases"]["backward"]["roofline_s"] == pytest.approx(3.0)  # the device
+    assert out["roofline_s"] == pytest.approx(7.0)
+    assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 4, adamw 3 over the step
+
+
+# --- --snake-trace ----------------------------------------------------------------------
+def test_snake_trace_writes_a_chrome_trace_of_one_iteration(tmp_path):
+    trace = tmp_path / "step.json"
+    (tmp_path / "off").mkdir()
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--snake-offload",
+         "--snake-offload-dir", str(tmp_path / "off"), "--train-iters", "2",
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--global-batch-size", "4", "--log-interval", "1",
+         "--snake-trace", str(trace), "--clip-grad", "0", "--snake-alpha", "0.3"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--snake-trace: iteration 2 written" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    cats = {e.get("cat") for e in events if e["ph"] == "X"}
+    assert {"compute", "sweep", "store", "drive", "optimizer", "cpu adamw"} <= cats
+    threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "MainThread" in threads and any(t.startswith("snake-store-write") for t in threads)
+    assert any(t.startswith("snake-adamw") for t in threads)
+    assert not os.path.islink(trace) and (os.stat(trace).st_mode & 0o777) == 0o600
+
+
+def test_snake_trace_into_a_missing_directory_is_refused_at_start(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--snake-offload",
+         "--snake-offload-dir", str(tmp_path), "--snake-trace", str(tmp_path / "no" / "t.json")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--snake-trace" in proc.stderr and "existing, writable directory" in proc.stderr

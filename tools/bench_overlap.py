@@ -1,0 +1,304 @@
+"""Overlap efficiency on an emulated device: how close a step comes to its roofline.
+
+The run is the one pretrain_gpt builds (``build_run``): the real vertical schedule, tensor
+store, drive and CPU AdamW, with each unit's compute replaced by a timed wait as long as a
+device of the emulated TFLOP/s would take (megatron_snake/models/emulated_compute.py). The
+emulated TFLOP/s is a GPU's (``--gpu-tflops``, default 400: an H100 at about 40% of its
+dense bf16 peak, typical of Megatron) scaled by this drive's bandwidth over the GPU's drive
+(``--gpu-drive-gbps``, default 6): compute per unit against drive bytes per unit is then the
+GPU's, on this machine.
+
+Each measured step is recorded as a timeline (megatron_snake/timeline.py). Per phase of the
+step (the forward sweep; the backward sweep with the step boundary) the roofline is the
+longest of what the phase asks of each resource:
+- device compute: the compute spans (the emulated waits);
+- the drive: bytes read / read bandwidth + bytes written / write bandwidth, both measured
+  through the store right before and after the step (this disk swings from second to
+  second);
+- host copies: host-tier bytes / this machine's copy bandwidth;
+- the CPU optimizer: parameters updated / the fused AdamW's measured rate.
+The step's roofline is the sum over its phases; **roofline ÷ measured** is the overlap
+efficiency (1.0: every phase runs at the speed of its busiest resource). The step-wide
+bound (the busiest resource over the whole step) is also reported: it is below the
+roofline when one sweep is drive-bound while the other leaves the drive idle.
+
+The batch: the saturating number of micro-batches (the compute of a step equals its drive
+time, found from a probe step) and half of it. Prints the ratios last; raw figures go to
+``--json-out``; ``--trace FILE`` writes the last measured step's timeline.
+
+    python tools/bench_overlap.py --dir /nvme/scratch --json-out overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+
+import torch  # noqa: E402
+
+import megatron_snake.timeline as timeline  # noqa: E402
+from megatron_snake.models.emulated_compute import emulate_compute  # noqa: E402
+from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # noqa: E402
+from megatron_snake.training import distributed  # noqa: E402
+from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.build import build_run  # noqa: E402
+from megatron_snake.training.data import random_microbatches  # noqa: E402
+
+MiB = 1 << 20
+
+
+# --- this machine's rates -------------------------------------------------------------
+def drive_rates(store, nbytes: int = 256 * MiB, record: int = 64 * MiB) -> dict:
+    """Write and read ``nbytes`` through ``store`` to its drive, as 64 MiB records (the
+    store's own engine, checksums and queue depth): bytes/s each way."""
+    data = torch.empty(record, dtype=torch.uint8).random_()
+    keys = [("calibration", i) for i in range(nbytes // record)]
+    start = time.perf_counter()
+    for handle in [store.put(k, data, tier="nvme", kind="calibration") for k in keys]:
+        handle.wait()
+    write = time.perf_counter() - start
+    start = time.perf_counter()
+    for handle in [store.get(k) for k in keys]:
+        handle.wait()
+    read = time.perf_counter() - start
+    for key in keys:
+        store.delete(key).wait()
+    return {"write": nbytes / write, "read": nbytes / read}
+
+
+def copy_rate(nbytes: int = 256 * MiB) -> float:
+    """Host memory copy bytes/s (what a host-tier put or get does)."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times)
+
+
+def adamw_rate(numel: int = 32 * MiB) -> float:
+    """Fused CPU AdamW parameters/s (the optimizer worker's kernel, on every core)."""
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    step, times = torch.tensor(1.0), []
+    for _ in range(3):
+        start = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        times.append(time.perf_counter() - start)
+    return numel / min(times)
+
+
+# --- the roofline of one recorded step -------------------------------------------------
+def phase_work(spans: list[dict], start: float, end: float) -> dict:
+    """What the spans that start in [start, end) ask of each resource: compute seconds
+    (the emulated device's nominal waits, else the compute spans), drive bytes read and
+    written, host-copy bytes, parameters updated."""
+    emulated = any(s["cat"] == "device" for s in spans)
+    work = {"compute_s": 0.0, "drive_read": 0, "drive_write": 0, "host_copy": 0,
+            "adamw_params": 0}
+    for s in spans:
+        if not start <= s["start"] < end:
+            continue
+        if s["cat"] == "device":   # the emulated device's nominal time
+            work["compute_s"] += s["args"]["seconds"]
+        elif s["cat"] == "compute" and not emulated:   # real compute: as measured
+            work["compute_s"] += s["end"] - s["start"]
+        elif s["cat"] == "drive":
+            work["drive_read" if s["name"].startswith("drive read") else "drive_write"] += \
+                s["args"]["bytes"]
+        elif s["cat"] == "host copy":
+            work["host_copy"] += s["args"]["bytes"]
+        elif s["cat"] == "cpu adamw":
+            work["adamw_params"] += s["args"]["params"]
+    return work
+
+
+def resource_seconds(work: dict, rates: dict) -> dict:
+    """Seconds each resource needs for ``work`` at ``rates`` (bytes/s, params/s)."""
+    return {"compute": work["compute_s"],
+            "drive": work["drive_read"] / rates["drive_read"]
+            + work["drive_write"] / rates["drive_write"],
+            "host copy": work["host_copy"] / rates["copy"],
+            "cpu adamw": work["adamw_params"] / rates["adamw"]}
+
+
+def roofline(spans: list[dict], rates: dict) -> dict:
+    """The step's measured time, its roofline (per phase the busiest resource, summed) and
+    the step-wide bound (the busiest resource over the whole step), with each phase's
+    resource seconds. ``spans``: one step's timeline (``Timeline.spans``)."""
+    def first(name):
+        return next(s for s in spans if s["name"] == name)
+
+    step_start = first("forward_backward")["start"]
+    step_end = first("optimizer step")["end"]
+    boundaries = [step_start, first("backward sweep")["start"], step_end]
+    phases, total = {}, {}
+    for name, (a, b) in zip(("forward", "backward"), zip(boundaries, boundaries[1:])):
+        seconds = resource_seconds(phase_work(spans, a, b), rates)
+        phases[name] = {"measured_s": b - a, "roofline_s": max(seconds.values()), **seconds}
+        for k, v in seconds.items():
+            total[k] = total.get(k, 0.0) + v
+    line = sum(p["roofline_s"] for p in phases.values())
+    return {"measured_s": step_end - step_start, "roofline_s": line,
+            "bound_s": max(total.values()), "phases": phases, "total": total}
+
+
+# --- runs ------------------------------------------------------------------------------
+def gpt_flags(a, num_mb: int) -> list[str]:
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+            "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
+            "--micro-batch-size", str(a.micro_batch_size),
+            "--global-batch-size", str(a.micro_batch_size * num_mb), "--bf16",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--snake-offload", "--snake-offload-dir", a.dir,
+            "--snake-host-memory-limit", a.host_memory] + a.snake_flags.split()
+
+
+def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | None = None,
+            emulate: bool = True) -> dict:
+    """Build the run with ``num_mb`` micro-batches, step it ``a.warmup`` + ``steps``
+    times, and return each measured step's roofline (median ratio too)."""
+    args = parse_args(gpt_flags(a, num_mb))
+    rows, recorded = [], None
+    with build_run(args, device, a.vocab, log=lambda _: None) as run:
+        # The emulated device's memory is host memory: let glibc keep freed activation-sized
+        # blocks for reuse, as a GPU's caching allocator does (a training run returns them
+        # to the OS to bound its RSS, and pays a page fault per fresh block for it).
+        return_freed_memory_to_the_os(threshold_bytes=1 << 30)
+        store = run.tensor_store
+        fixed = {"copy": copy_rate(), "adamw": adamw_rate()}
+        for step in range(a.warmup + steps):
+            mbs = random_microbatches(num_mb, a.micro_batch_size, a.seq, a.vocab, seed=step,
+                                      device=device)
+            before = drive_rates(store)
+            with timeline.recording() as recorded:
+                if emulate:
+                    with emulate_compute(run.offloaded.units, tflops):
+                        run.step(mbs)
+                else:
+                    run.step(mbs)
+                # the step's writes and updates still running are its work too (the
+                # roofline counts what starts before the step ends), and the drive is
+                # measured idle
+                run.optimizer.wait_running()
+                store.synchronize()
+            after = drive_rates(store)
+            if step < a.warmup:
+                continue
+            rates = dict(fixed, drive_read=(before["read"] + after["read"]) / 2,
+                         drive_write=(before["write"] + after["write"]) / 2)
+            row = roofline(recorded.spans, rates)
+            row["rates"] = rates
+            rows.append(row)
+        if trace and recorded is not None:
+            with open(trace, "w") as f:
+                json.dump(recorded.chrome_trace(), f)
+    ratios = [r["roofline_s"] / r["measured_s"] for r in rows]
+    bounds = [r["bound_s"] / r["measured_s"] for r in rows]
+    return {"micro_batches": num_mb, "tokens_per_step": num_mb * a.micro_batch_size * a.seq,
+            "emulated_tflops": tflops if emulate else None, "steps": rows,
+            "roofline_over_measured": statistics.median(ratios),
+            "bound_over_measured": statistics.median(bounds)}
+
+
+def saturating_microbatches(a, tflops: float, device) -> tuple[int, dict]:
+    """Micro-batches at which a step's compute equals its drive time, from one probe
+    step: compute grows with the micro-batches, the state's drive traffic does not."""
+    probe = measure(a, a.probe_microbatches, tflops, device, steps=1)
+    total = probe["steps"][0]["total"]
+    per_mb = total["compute"] / a.probe_microbatches
+    return max(2, round(total["drive"] / per_mb)), probe
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="offload directory (default: a temporary one)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--host-memory", default="8GiB", help="--snake-host-memory-limit")
+    p.add_argument("--snake-flags", default="--snake-activation-tier host",
+                   help="more flags for the offloaded run (tiers, --clip-grad, --snake-alpha)")
+    p.add_argument("--gpu-tflops", type=float, default=400.0)
+    p.add_argument("--emulated-tflops", type=float, default=0.0,
+                   help="use this rate instead of scaling --gpu-tflops by this drive (to "
+                        "compare two runs at the same device speed)")
+    p.add_argument("--gpu-drive-gbps", type=float, default=6.0)
+    p.add_argument("--probe-microbatches", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="run only this many micro-batches (default: the saturating number, "
+                        "from a probe step, and half of it)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--real-microbatches", type=int, default=0,
+                   help="also run this many micro-batches with real CPU compute (0: skip)")
+    p.add_argument("--trace", default=None, help="write the saturating run's last step here")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args(argv)
+    tmp = None
+    if a.dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_overlap_")
+        a.dir = tmp.name
+    torch.set_num_threads(os.cpu_count() or 1)
+    device = torch.device("cpu")
+    distributed.initialize(device=device)
+    # The emulated device: the GPU's TFLOP/s scaled by this drive over the GPU's drive.
+    args = parse_args(gpt_flags(a, 1))
+    with build_run(args, device, a.vocab, log=lambda _: None) as run:
+        rates = [drive_rates(run.tensor_store) for _ in range(3)]
+    drive_gbps = statistics.median(2 / (1 / r["read"] + 1 / r["write"]) for r in rates) / 1e9
+    tflops = a.emulated_tflops or a.gpu_tflops * drive_gbps / a.gpu_drive_gbps
+    print(f"drive here {drive_gbps:.2f} GB/s (read/write harmonic mean): emulated device "
+          f"{tflops:.1f} TFLOP/s = {a.gpu_tflops:g} x {drive_gbps:.2f} / {a.gpu_drive_gbps:g}",
+          flush=True)
+    if a.micro_batches:
+        saturating, probe, batches = a.micro_batches, None, (a.micro_batches,)
+    else:
+        saturating, probe = saturating_microbatches(a, tflops, device)
+        batches = (saturating, max(1, saturating // 2))
+    results = {"config": vars(a), "drive_GBps": drive_gbps, "emulated_tflops": tflops,
+               "probe": probe, "runs": []}
+    for num_mb in batches:
+        out = measure(a, num_mb, tflops, device, steps=a.steps,
+                      trace=a.trace if num_mb == saturating else None)
+        results["runs"].append(out)
+        step = out["steps"][-1]
+        print(f"M={num_mb:3d} ({out['tokens_per_step']} tokens/step): measured "
+              f"{step['measured_s']:.2f} s, roofline {step['roofline_s']:.2f} s, step-wide "
+              f"bound {step['bound_s']:.2f} s; per phase " + "; ".join(
+                  f"{name} {ph['measured_s']:.2f} s (compute {ph['compute']:.2f}, drive "
+                  f"{ph['drive']:.2f}, copy {ph['host copy']:.2f}, adamw {ph['cpu adamw']:.2f})"
+                  for name, ph in step["phases"].items()), flush=True)
+    if a.real_microbatches:
+        results["real_compute"] = measure(a, a.real_microbatches, 0.0, device, steps=a.steps,
+                                          emulate=False)
+        print(f"real CPU compute, M={a.real_microbatches}: roofline / measured "
+              f"{results['real_compute']['roofline_over_measured']:.3f}", flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    for out in results["runs"]:
+        print(f"M={out['micro_batches']}: step-wide bound / measured (median) "
+              f"{out['bound_over_measured']:.3f}")
+    for out in results["runs"]:
+        print(f"M={out['micro_batches']}: roofline / measured (median) "
+              f"{out['roofline_over_measured']:.3f}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
