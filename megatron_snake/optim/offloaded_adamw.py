@@ -225,12 +225,18 @@ class OffloadedAdamW(HostAdamW):
             handle = self._put_gradient(("grad", key, part), shard[lo - start:hi - start])
             if shard.is_cuda:
                 self._device_gradients.append(handle)
-            if part == "bwd" and self.clip_grad == 0 and self.grad_scaler is None:
+            if part not in self._parts_waiting_for_step():
                 self._submit(key, part, self._hyper)
             else:
                 self._deferred[(key, part)] = self._hyper
 
-    def _put_gradient(self, key, part_of_shard: torch.Tensor) -> None:
+    def _parts_waiting_for_step(self) -> tuple:
+        """The parts whose update runs in the next forward sweep: the forward part, and
+        the backward part too when clipping or loss scaling needs the step's norm or
+        overflow flag first."""
+        return PARTS if (self.clip_grad > 0 or self.grad_scaler is not None) else ("fwd",)
+
+    def _put_gradient(self, key, part_of_shard: torch.Tensor):
         """A gradient waits for its update in the fastest tier with room: host when the pool
         has it now, else the optimizer's tier (the drive), so with clipping on (every
         update waits for the step's norm) the gradients stay off the drive when they fit."""
@@ -315,7 +321,7 @@ class OffloadedAdamW(HostAdamW):
         balance follows the measured I/O and compute, not a guess)."""
         if any(not h.done() for h in self._read_ahead):
             return
-        deferred = PARTS if (self.clip_grad > 0 or self.grad_scaler is not None) else ("fwd",)
+        deferred = self._parts_waiting_for_step()
         while self._read_ahead_next < len(order):
             key = order[self._read_ahead_next]
             self._read_ahead_next += 1

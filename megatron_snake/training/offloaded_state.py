@@ -194,6 +194,7 @@ class HostBuffers:
     weights: int
     optimizer: int       # fp32 master weights, two moments and the fp32 gradient
     unit_inputs: int
+    largest_unit_weights: int = 0   # one unit's weight records, the largest unit's
 
 
 def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list[int],
@@ -202,28 +203,36 @@ def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list
     weights (the pinned ones stay on the device), four fp32 records per weight record,
     and the step's unit inputs; ``buffers_for(nbytes)`` is the store's rule."""
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    weights = optimizer = 0
+    weights = optimizer = largest = 0
     for unit, lay in enumerate(params.units):
+        unit_weights = 0
         for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp):
             if hi > lo:
-                weights += 0 if unit in pinned else buffers_for((hi - lo) * elem)
+                unit_weights += buffers_for((hi - lo) * elem)
                 optimizer += 4 * buffers_for((hi - lo) * 4)
+        weights += 0 if unit in pinned else unit_weights
+        largest = max(largest, unit_weights)
     if params.shared.segments:
         optimizer += sum(4 * buffers_for((hi - lo) * 4)
                          for lo, hi in part_bounds(params.shared.numel, args.snake_alpha, dp)
                          if hi > lo)
     inputs = checkpoints_per_step(args) * buffers_for(checkpoint_bytes(args))
-    return HostBuffers(weights, optimizer, inputs)
+    return HostBuffers(weights, optimizer, inputs, largest)
+
+
+def on_host_tier(args, tiers: StateTiers, need: HostBuffers) -> list[tuple[str, int]]:
+    """(part, host buffers) of each part of the state placed on the host tier."""
+    parts = [("weights", need.weights, tiers.params == "host"),
+             ("optimizer state and gradients", need.optimizer, tiers.optimizer == "host"),
+             ("unit inputs", need.unit_inputs, args.snake_activation_tier == "host")]
+    return [(name, n) for name, n, host in parts if host and n]
 
 
 def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int,
                       buffer_bytes: int) -> None:
     """Refuse at start a plan whose host tiers cannot fit ``--snake-host-memory-limit``,
     with the total it needs, instead of a per-key error at the first step."""
-    parts = [("weights", need.weights, tiers.params == "host"),
-             ("optimizer state and gradients", need.optimizer, tiers.optimizer == "host"),
-             ("unit inputs", need.unit_inputs, args.snake_activation_tier == "host")]
-    on_host = [(name, n) for name, n, host in parts if host and n]
+    on_host = on_host_tier(args, tiers, need)
     total = sum(n for _, n in on_host) + 1   # one buffer always stays free for staging
     if total > pool_buffers:
         detail = ", ".join(f"{name} {n}" for name, n in on_host)
@@ -246,24 +255,20 @@ class HostRoom:
     #                may also use the two units' worth reserved for them
 
 
-def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int,
-              unit_weight_buffers: int) -> HostRoom:
+def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int) -> HostRoom:
     """``HostRoom`` from the placement: an eighth of the pool for staging, the host tiers
     chosen, the unit inputs on the host (or the activation plan's budget under ``auto``,
-    plus one buffer per checkpoint for rounding), and two units' weights
-    (``unit_weight_buffers`` each) reserved for the weights read next. With saved tensors
+    plus one buffer per checkpoint for rounding), and two of the largest unit's weights
+    reserved for the weights read next. With saved tensors
     offloaded to the host (their size is known only while running) nothing spills to
     host memory."""
     staging = max(1, pool_buffers // 8)
     if args.snake_activation_offload and args.snake_activation_tier == "host":
         return HostRoom(pool_buffers, pool_buffers)
-    planned = (need.weights if tiers.params == "host" else 0) \
-        + (need.optimizer if tiers.optimizer == "host" else 0)
-    if args.snake_activation_tier == "host":
-        planned += need.unit_inputs
-    elif args.snake_activation_tier == "auto":   # the planner's budget (step.py), in bytes
+    planned = sum(n for _, n in on_host_tier(args, tiers, need))
+    if args.snake_activation_tier == "auto":   # the planner's budget (step.py), in bytes
         planned += pool_buffers // 2 + checkpoints_per_step(args)
-    reserve = 0 if tiers.params == "host" else 2 * unit_weight_buffers
+    reserve = 0 if tiers.params == "host" else 2 * need.largest_unit_weights
     return HostRoom(spill=staging + planned + reserve, weights=staging + planned)
 
 
@@ -391,10 +396,7 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     error, capacity = None, (0, 0)
     try:
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
-        unit_weights = max((sum(store.host_buffers_for((hi - lo) * elem)
-                                for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp))
-                            for lay in params.units), default=0)
-        room = host_room(args, tiers, need, store.pool.count, unit_weights)
+        room = host_room(args, tiers, need, store.pool.count)
         store.spill_keep_free = room.spill
         planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
         if initial is not None:   # held until the state is built from them: counted too
