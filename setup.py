@@ -61,6 +61,7 @@ setup(
     version="0.1.0",
     description="SSD-offloaded LLM training (vertical schedule) on Megatron-Core",
     packages=find_packages(include=["megatron_snake", "megatron_snake.*"]),
+    package_data={"megatron_snake.planner": ["profiles/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "megatron-core==0.16.1",

@@ -1,8 +1,8 @@
 """The package layering, read from the sources (every import, lazy ones included), so that a
 later change cannot quietly reintroduce a cycle or an upward import.
 
-Bottom to top (docs/design.md draws it): storage and compat (import nothing of ours but
-the timeline), placement, models, schedule, optim, offload, training. A package may import
+Bottom to top (docs/design.md draws it): storage, compat and the planner (import nothing of
+ours but the timeline; the planner not even torch), placement, models, schedule, optim, offload, training. A package may import
 only packages of lower layers; the module graph has no cycle. ``megatron_snake.timeline``,
 which every layer records into, imports nothing of ours.
 """
@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_snake"
-LAYERS = [{"storage", "compat"}, {"placement"}, {"models"}, {"schedule"}, {"optim"},
+LAYERS = [{"storage", "compat", "planner"}, {"placement"}, {"models"}, {"schedule"}, {"optim"},
           {"offload"}, {"training"}]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 NATIVE = {"megatron_snake._snake_aio": "storage"}  # the C engine, bound by storage/engine.py

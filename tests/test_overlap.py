@@ -4,6 +4,7 @@ for their read, the emulated device and its roofline, and --snake-trace."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -16,8 +17,7 @@ import torch
 from conftest import build_model, make_microbatches, tiny_args
 import megatron_snake.timeline as timeline
 from megatron_snake import vertical_forward_backward
-from megatron_snake.models.emulated_compute import (emulate_compute, layer_flops_per_token,
-                                                    unit_forward_flops)
+from megatron_snake.models.emulated_compute import emulate_compute, unit_forward_flops
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.unit_weights import OffloadedUnits
@@ -25,6 +25,7 @@ from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.schedule.unit_store import CombinedStore
 from megatron_snake.storage.store import TensorStore
+from megatron_snake.training.train_log import model_flops_per_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -51,6 +52,28 @@ def test_a_spillable_put_goes_to_host_when_it_fits_and_to_the_drive_when_not(tmp
         assert store.counters.spilled == 1
         with pytest.raises(ValueError, match="spill"):
             store.put("x", big, tier="nvme", spill="host")
+
+
+def test_spilled_records_use_what_the_planned_host_records_do_not_hold(tmp_path):
+    """The pool keeps the planned host buffers not yet taken (``reserved``) from records that
+    may go to the drive, and no more: once the planned records hold them they are not
+    counted twice, and what they free is room again."""
+    with TensorStore(tmp_path, host_memory_limit=64 * MiB, buffer_bytes=MiB) as store:
+        store.spill_keep_free, store.pool.reserved = 1, 32
+
+        def spilled(key, mib):
+            store.put(key, torch.ones(mib * MiB // 4), tier="host", spill="nvme").wait()
+            return store.tiers(key) == ["nvme"]
+
+        assert spilled("a", 40), "32 of 64 buffers are planned: 40 do not fit"
+        store.put("planned", torch.ones(32 * MiB // 4), tier="host").wait()
+        assert store.tiers("planned") == ["host"]
+        assert not spilled("b", 24), "the planned record holds its 32: 31 others are free"
+        store.delete("planned")
+        store.synchronize()
+        assert spilled("c", 16), "the planned 32 are kept free again"
+        store.pool.reserved = 0
+        assert not spilled("d", 16)
 
 
 def test_a_prefetch_if_room_is_skipped_when_the_pool_has_none(tmp_path):
@@ -222,7 +245,13 @@ def test_the_emulated_device_waits_the_flops_over_its_rate_and_restores_the_unit
     nominal = sum(s["args"]["seconds"] for s in waits)
     assert nominal == pytest.approx(len(mbs) * flops / (tflops * 1e12), rel=1e-9)
     assert all(s["end"] - s["start"] >= s["args"]["seconds"] for s in waits)
-    assert layer_flops_per_token(units.config, seq) > 0
+    # the FLOPs are Megatron's (train_log's count of a step: 3 x forward, the output layer
+    # included), here for the len(mbs) micro-batches of this step
+    every_unit = sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units))
+    megatron = model_flops_per_iteration(
+        argparse.Namespace(**{**vars(args), "seq_length": seq,
+                              "global_batch_size": batch * len(mbs)}), units.gpt.vocab_size)
+    assert 3 * len(mbs) * every_unit == pytest.approx(megatron, rel=1e-12)
     model.zero_grad()
     after = vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
     assert [torch.equal(a, b) for a, b in zip(before, after)] == [True] * len(mbs), \

@@ -200,6 +200,26 @@ def test_host_tier_takes_what_the_slow_drive_cannot_within_the_host_budget():
                   bandwidth=bw)
 
 
+def test_host_first_fills_the_host_budget_before_the_drive():
+    """The offloaded state shares the drive: checkpoints take host memory while it has room,
+    and only the rest go to the drive, at any bandwidth."""
+    timeline, lifetimes = vertical(6, 4, ckpt_bytes=100, weight_bytes=1000)
+    lo = minimum(lifetimes, timeline)
+    for bw in ({"host": (INF, INF), "nvme": (INF, INF)},
+               {"host": (4000.0, 4000.0), "nvme": (1000.0, 500.0)}):
+        everything = make_plan(lifetimes, timeline, gpu_budget_bytes=lo + 300, bandwidth=bw,
+                               host_budget_bytes=10**9, host_first=True)
+        check(everything, lifetimes, timeline, bw)
+        offloaded = [p for p in everything.placements.values() if p.offloads]
+        assert offloaded and all(p.tier == "host" for p in offloaded)
+        capped = make_plan(lifetimes, timeline, gpu_budget_bytes=lo + 300, bandwidth=bw,
+                           host_budget_bytes=700, host_first=True)
+        sim = check(capped, lifetimes, timeline, bw)
+        tiers = [p.tier for p in capped.placements.values() if p.offloads]
+        assert 0 < sim.peak_bytes["host"] <= 700 and "nvme" in tiers
+        assert tiers.count("host") >= 5, "the host budget is used, not left to the drive"
+
+
 def test_plan_json_round_trip_summary_and_actions():
     timeline, lifetimes = vertical(5, 3, ckpt_bytes=100, weight_bytes=1000)
     lifetimes.append(TensorLifetime("plain-key", 7, 0, (len(timeline) - 1,)))

@@ -294,7 +294,8 @@ def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_pa
     is recomputed go to NVMe too; dropout on, every loss bit-identical. The log line shows
     both activation peaks per tier and the prefetch wait apart from other I/O waits."""
     flags = [*SMALL, "--train-iters", "3", "--deterministic-mode", "--hidden-size", "64",
-             "--seq-length", "64", "--snake-offload", "--snake-offload-dir", str(tmp_path)]
+             "--seq-length", "64", "--snake-offload", "--snake-offload-dir", str(tmp_path),
+             "--snake-activation-tier", "nvme"]
     plain = pretrain(parse_args(flags))
     capfd.readouterr()
     offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",

@@ -50,51 +50,10 @@ from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # no
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
+from megatron_snake.training.calibration import adamw_rate, copy_rate, drive_rates  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 
 MiB = 1 << 20
-
-
-# --- this machine's rates -------------------------------------------------------------
-def drive_rates(store, nbytes: int = 256 * MiB, record: int = 64 * MiB) -> dict:
-    """Write and read ``nbytes`` through ``store`` to its drive, as 64 MiB records (the
-    store's own engine, checksums and queue depth): bytes/s each way."""
-    data = torch.empty(record, dtype=torch.uint8).random_()
-    keys = [("calibration", i) for i in range(nbytes // record)]
-    start = time.perf_counter()
-    for handle in [store.put(k, data, tier="nvme", kind="calibration") for k in keys]:
-        handle.wait()
-    write = time.perf_counter() - start
-    start = time.perf_counter()
-    for handle in [store.get(k) for k in keys]:
-        handle.wait()
-    read = time.perf_counter() - start
-    for key in keys:
-        store.delete(key).wait()
-    return {"write": nbytes / write, "read": nbytes / read}
-
-
-def copy_rate(nbytes: int = 256 * MiB) -> float:
-    """Host memory copy bytes/s (what a host-tier put or get does)."""
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return nbytes / min(times)
-
-
-def adamw_rate(numel: int = 32 * MiB) -> float:
-    """Fused CPU AdamW parameters/s (the optimizer worker's kernel, on every core)."""
-    p, g, m, v = (torch.rand(numel) for _ in range(4))
-    step, times = torch.tensor(1.0), []
-    for _ in range(3):
-        start = time.perf_counter()
-        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-        times.append(time.perf_counter() - start)
-    return numel / min(times)
 
 
 # --- the roofline of one recorded step -------------------------------------------------

@@ -21,26 +21,25 @@ import torch
 
 import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import GPTUnits, MicroBatchContext
+from megatron_snake.planner.workload import layer_flops_per_token
 
 
-def layer_flops_per_token(config, seq_length: int) -> float:
-    """Forward FLOPs of one decoder layer per token (this tensor-parallel rank's share):
-    2 per weight of the attention and MLP matmuls, plus attention's scores and weighted sum
-    (4 x seq x attention width: Megatron's count, causal masking not halved)."""
-    h = config.hidden_size
-    width = config.kv_channels * config.num_attention_heads
-    kv_width = config.kv_channels * (config.num_query_groups or config.num_attention_heads)
-    ffn = config.ffn_hidden_size
-    weights = h * (width + 2 * kv_width) + width * h \
-        + h * ffn * (2 if config.gated_linear_unit else 1) + ffn * h
-    return (2 * weights + 4 * seq_length * width) / config.tensor_model_parallel_size
+def _layer_flops_per_token(config, seq_length: int) -> float:
+    """Forward FLOPs of one decoder layer per token on this tensor-parallel rank (the
+    planner's count, from the model's config)."""
+    return layer_flops_per_token(
+        hidden=config.hidden_size, heads=config.num_attention_heads,
+        kv_channels=config.kv_channels,
+        query_groups=config.num_query_groups or config.num_attention_heads,
+        ffn=config.ffn_hidden_size, gated=config.gated_linear_unit, seq_length=seq_length,
+        tp=config.tensor_model_parallel_size)
 
 
 def unit_forward_flops(units: GPTUnits, unit: int, batch: int, seq_length: int) -> float:
     """Forward FLOPs of ``unit`` for one micro-batch of ``batch`` x ``seq_length`` tokens;
     the unit that ends the model adds the output layer (the embedding is a lookup)."""
     tokens = batch * seq_length
-    flops = len(units.unit_layers[unit]) * layer_flops_per_token(units.config, seq_length)
+    flops = len(units.unit_layers[unit]) * _layer_flops_per_token(units.config, seq_length)
     if units.owns_head(unit):
         flops += 2 * units.config.hidden_size * units.gpt.vocab_size \
             / units.config.tensor_model_parallel_size

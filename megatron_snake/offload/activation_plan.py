@@ -1,14 +1,18 @@
-"""``--snake-activation-tier auto``: profile the first iterations, then place every unit
-checkpoint by a lifetime-aware plan (TERAIO).
+"""``--snake-activation-tier auto`` (the vertical schedule's default): profile the first
+iterations, then place every unit checkpoint by a lifetime-aware plan (TERAIO).
 
 For ``--snake-profile-iters`` steps every checkpoint goes to NVMe while the schedule's
 compute events and each checkpoint's production and uses are recorded. Then the tiers'
-bandwidth is measured through the store, and ``make_plan`` decides, within the GPU budget
-(``--snake-gpu-memory-limit`` less the largest unit's working set; unlimited without the
-flag, so nothing is offloaded that need not be) and the host budget, which checkpoints stay
-in memory, which go to host memory and which to NVMe, and at which compute event each read
-back is issued (``PlannedUnitInputs``). The plan is printed and written as JSON; it is made
-again when the checkpoints' shapes or the number of micro-batches change.
+bandwidth is measured through the store, and ``make_plan`` decides, within the device budget
+and the host budget, which checkpoints stay in memory, which go to host memory and which to
+NVMe, and at which compute event each read back is issued (``PlannedUnitInputs``). A
+checkpoint leaving the device goes to host memory while the host budget has room, and to
+the drive only after: the drive also carries the weights and the optimizer state, which the
+plan does not see. The device budget is ``--snake-gpu-memory-limit`` less the largest unit's
+working set; without the flag, what the profiled steps left of a GPU's memory, and on the
+CPU (whose "device" memory is the host's, outside the pool's limit) no more than a plan can
+manage with. The plan is printed and written as JSON; it is made again when the
+checkpoints' shapes or the number of micro-batches change.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import torch
 
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.placement.lifetimes import LifetimeRecorder
-from megatron_snake.placement.plan import make_plan
+from megatron_snake.placement.plan import make_plan, minimum_gpu_bytes
 from megatron_snake.storage.safe_files import write_file_atomically
 
-UNLIMITED = 1 << 62
+# Without --snake-gpu-memory-limit, a GPU's memory the plan leaves free: the allocator's
+# fragmentation and what a step allocates besides the profiled peak.
+DEVICE_MARGIN_FRACTION = 0.1
 
 
 class RecordingUnitInputs(OffloadedUnitInputs):
@@ -96,7 +102,7 @@ class ActivationPlanner:
         self.profile_iters, self.plan_path = profile_iters, plan_path
         if plan_path:
             _check_plan_path(plan_path)   # now, not after the profiled iterations
-        self.gpu_budget = gpu_budget_bytes if gpu_budget_bytes is not None else UNLIMITED
+        self.gpu_budget = gpu_budget_bytes   # None: from the device (_device_budget)
         self.host_budget = host_budget_bytes
         self.plan = None
         self.plans_made = 0
@@ -146,8 +152,26 @@ class ActivationPlanner:
         self._event_names = [e.name for e in timeline.events]
         largest = max((lt.nbytes for lt in lifetimes), default=1 << 20)
         bandwidth = measure_tier_bandwidth(self.store, nbytes=max(largest, 1 << 20))
-        self.plan = make_plan(lifetimes, timeline, gpu_budget_bytes=self.gpu_budget,
-                              host_budget_bytes=self.host_budget, bandwidth=bandwidth)
+        # The pool holds whole buffers: a checkpoint takes host_buffers_for(its bytes) of
+        # them however small it is, so the plan's byte budget is what that many hold.
+        sizes = [lt.nbytes for lt in lifetimes if lt.nbytes] or [1]
+        fit = self.host_budget // (self.store.host_buffers_for(max(sizes))
+                                   * self.store.pool.buffer_bytes)
+        host_budget = fit * min(sizes)
+        budget = self.gpu_budget
+        if budget is None:
+            budget = max(_device_budget(self.device), minimum_gpu_bytes(lifetimes, timeline))
+        while True:
+            try:
+                self.plan = make_plan(lifetimes, timeline, gpu_budget_bytes=budget,
+                                      host_budget_bytes=host_budget, bandwidth=bandwidth,
+                                      host_first=True)
+                break
+            except ValueError:
+                if self.gpu_budget is not None:
+                    raise     # the user's limit: its error says what to do
+                # ours: keep a little more in memory (everything kept always fits)
+                budget += max(largest, budget // 8)
         self.plans_made += 1
         self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
                  f"{self.plan.summary()}")
@@ -157,6 +181,17 @@ class ActivationPlanner:
             write_file_atomically(self.plan_path, self.plan.to_json().encode(),
                                   what="activation plan (--snake-plan-json)")
             self.log(f"> activation plan written to {self.plan_path}")
+
+
+def _device_budget(device) -> int:
+    """Device memory for checkpoints without --snake-gpu-memory-limit: on a GPU, its memory
+    less the peak the profiled steps reserved (all checkpoints were off the device then) and
+    a margin; on the CPU none (the plan keeps only what it must)."""
+    if device is None or torch.device(device).type != "cuda":
+        return 0
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0, int(total * (1 - DEVICE_MARGIN_FRACTION))
+               - torch.cuda.max_memory_reserved(device))
 
 
 def _check_plan_path(path) -> None:

@@ -156,19 +156,39 @@ class Plan:
 # ==================================================================== the planner
 
 def make_plan(lifetimes: list[TensorLifetime], timeline: Timeline, *, gpu_budget_bytes: int,
-              host_budget_bytes: int, bandwidth: dict, pcie_Bps: float = INF) -> Plan:
+              host_budget_bytes: int, bandwidth: dict, pcie_Bps: float = INF,
+              host_first: bool = False) -> Plan:
     """bandwidth: {"host"|"nvme": (read_Bps, write_Bps)}; a tier left out is not used.
+    ``host_first``: a tensor leaving the GPU tries host memory (within its budget) before
+    the drive, for a drive this plan does not own (the offloaded state's weights and
+    optimizer state use it too); else the slowest tier that is in time, as TERAIO.
     Raises ValueError naming --snake-gpu-memory-limit when the budget cannot be met."""
     validate(lifetimes, timeline)
     return _Planner(lifetimes, timeline, gpu_budget_bytes, host_budget_bytes, bandwidth,
-                    pcie_Bps).run()
+                    pcie_Bps, host_first).run()
+
+
+def _needed_per_event(lifetimes: list[TensorLifetime], timeline: Timeline) -> np.ndarray:
+    """Bytes each event needs on the GPU whatever the plan: its working set and the tensors
+    it accesses."""
+    need = np.array([e.working_bytes for e in timeline.events], dtype=np.int64)
+    for lt in lifetimes:
+        for a in lt.accesses:
+            need[a] += lt.nbytes
+    return need
+
+
+def minimum_gpu_bytes(lifetimes: list[TensorLifetime], timeline: Timeline) -> int:
+    """The smallest GPU budget any plan can meet."""
+    return int(_needed_per_event(lifetimes, timeline).max(initial=0))
 
 
 class _Planner:
     """Bookkeeping per event: a tensor counts on the GPU for every event it is resident in
     at any moment (conservative against the continuous-time simulator)."""
 
-    def __init__(self, lifetimes, timeline, gpu_budget, host_budget, bandwidth, pcie_Bps):
+    def __init__(self, lifetimes, timeline, gpu_budget, host_budget, bandwidth, pcie_Bps,
+                 host_first=False):
         self.lts, self.timeline = lifetimes, timeline
         self.gpu_budget, self.host_budget = int(gpu_budget), int(host_budget)
         self.bounds = timeline.bounds()
@@ -176,6 +196,8 @@ class _Planner:
         self.working = np.array([e.working_bytes for e in timeline.events], dtype=np.int64)
         self.rates = {t: _rates(bandwidth, pcie_Bps, t) for t in OFF_TIERS}
         self.tiers = [t for t in OFF_TIERS if t in bandwidth and (t != "host" or host_budget > 0)]
+        # the order a tensor still on the GPU tries the tiers in (a retry is always faster)
+        self.first_tiers = self.tiers[::-1] if host_first else self.tiers
         self.tier = [None] * len(lifetimes)           # None: on the GPU
         self.off = [{} for _ in lifetimes]            # per tensor: gap index -> prefetch_at
 
@@ -236,13 +258,6 @@ class _Planner:
 
     # ---------------------------------------------------------------- greedy
 
-    def _minimum(self):
-        need = self.working.copy()
-        for lt in self.lts:
-            for a in lt.accesses:
-                need[a] += lt.nbytes
-        return need
-
     def _freed(self, j, i):
         """The events during which gap i of tensor j (offloaded) is off the GPU."""
         acc, t = self.lts[j].accesses, self.tier[j]
@@ -261,7 +276,7 @@ class _Planner:
                 continue
             if (k - 1) in self.off[j] and (e in self._freed(j, k - 1) or cur == self.tiers[-1]):
                 continue
-            tier = cur or self.tiers[0]
+            tier = cur or self.first_tiers[0]
             rd, wr = self.rates[tier]
             cost = _seconds(lt.nbytes, rd) + (0.0 if cur else _seconds(lt.nbytes, wr))
             idle = self.bounds[acc[k]] - self.bounds[acc[k - 1] + 1]
@@ -276,7 +291,7 @@ class _Planner:
         an offloaded gap is only retried on a faster tier."""
         lt, cur = self.lts[j], self.tier[j]
         acc, nb, nxt = lt.accesses, lt.nbytes, lt.accesses[i + 1]
-        tiers = self.tiers if cur is None else self.tiers[self.tiers.index(cur):]
+        tiers = self.first_tiers if cur is None else self.tiers[self.tiers.index(cur):]
         for tier in (tiers[1:] if i in self.off[j] else tiers):
             if tier == "host" and cur != "host" and \
                     host[acc[0]:acc[-1] + 1].max() + nb > self.host_budget:
@@ -305,7 +320,7 @@ class _Planner:
         return False
 
     def run(self) -> Plan:
-        need = self._minimum()
+        need = _needed_per_event(self.lts, self.timeline)
         e = int(np.argmax(need)) if self.n_events else 0
         if self.n_events and need[e] > self.gpu_budget:
             at = [lt for lt in self.lts if e in lt.accesses]

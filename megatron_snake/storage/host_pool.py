@@ -55,10 +55,11 @@ def check_host_memory_limit(limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES) -> i
 class HostBuffer:
     """One page-aligned buffer: .tensor (uint8, nbytes long), .addr (its address)."""
 
-    __slots__ = ("index", "tensor", "addr", "nbytes", "_base")
+    __slots__ = ("index", "tensor", "addr", "nbytes", "_base", "planned")
 
     def __init__(self, index, nbytes, pin):
         self.index, self.nbytes = index, nbytes
+        self.planned = False   # held by a record the placement planned for the host tier
         # pinned: cudaHostAlloc memory is page aligned and torch's host allocator rounds
         # sizes up to a power of two, so ask for exactly nbytes (a power of two by default)
         self._base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
@@ -80,6 +81,11 @@ class HostBufferPool:
         self._free = []          # created, not in use
         self._created = 0
         self._resident = 0
+        # Buffers the placement planned for host-tier records (weights or optimizer state
+        # on ``host``, unit inputs planned there): those not yet taken are kept from
+        # records that may go to the drive instead (``try_acquire_resident``).
+        self.reserved = 0
+        self._planned_in_use = 0
         self._cv = threading.Condition()
         # counters
         self.peak_in_use = 0
@@ -136,23 +142,36 @@ class HostBufferPool:
                 while self._available() < n:
                     self._cv.wait()
                 self.wait_seconds += time.perf_counter() - t0
+            out = self._take(n)
             if resident:
                 self._resident += n
-            return self._take(n)
+                self._planned_in_use += n
+                for buf in out:
+                    buf.planned = True
+            return out
+
+    def unclaimed_reservation(self) -> int:
+        """Planned host buffers not taken yet: what the planned records may still need."""
+        return max(0, self.reserved - self._planned_in_use)
 
     def try_acquire_resident(self, n: int, keep_free: int):
         """n resident buffers if they fit now with ``keep_free`` buffers still free for
-        staging (created or not), else None at once: a record that may go to a slower
-        tier instead (``TensorStore.put``'s ``spill``) never waits for host memory."""
+        staging (created or not), besides the planned buffers not taken yet, else None at
+        once: a record that may go to a slower tier instead (``TensorStore.put``'s
+        ``spill``) never waits for host memory, nor takes what the plan counts on."""
         with self._cv:
             # at least one buffer stays free: the drive's I/O needs one to make progress
-            if self._available() - n < max(1, keep_free):
+            if self._available() - n - self.unclaimed_reservation() < max(1, keep_free):
                 return None
             self._resident += n
             return self._take(n)
 
     def release(self, buffers, resident=False):
         with self._cv:
+            for buf in buffers:
+                if buf.planned:
+                    buf.planned = False
+                    self._planned_in_use -= 1
             self._free.extend(buffers)
             if resident:
                 self._resident -= len(buffers)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -22,6 +23,7 @@ from megatron_snake.models.gpt_units import check_checkpoint_interval
 from megatron_snake.optim.adamw import check_clip_grad
 from megatron_snake.optim.offloaded_adamw import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
+from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
 from megatron_snake.storage.errors import OffloadError
 from megatron_snake.storage.host_pool import check_host_memory_limit
@@ -34,6 +36,9 @@ SNAKE_SCHEDULES = ("vertical", "horizontal")
 # without it they are an error.
 OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
                          "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None}
+# The settings --snake-auto chooses: given with it, they are an error (not silently ignored).
+AUTO_CHOSEN_FLAGS = ("--snake-group-size", "--snake-alpha", "--snake-checkpoint-interval",
+                     "--snake-param-tier", "--snake-optimizer-tier", "--snake-activation-tier")
 SNAKE_TIERS = ("device", "host", "nvme")
 ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
@@ -182,9 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "it); may be a template with {node} (this node's index, torchrun's "
                         "GROUP_RANK), {hostname}, {rank} and {local_rank}, e.g. "
                         "/nvme/{node}/{local_rank}; default: a new temporary directory")
-    g.add_argument("--snake-activation-tier", default="nvme", choices=ACTIVATION_TIERS,
-                   help="where unit inputs (activation checkpoints) live between the forward and backward sweeps; "
-                        "auto: profile, then place each by a lifetime-aware plan")
+    g.add_argument("--snake-activation-tier", default=None, choices=ACTIVATION_TIERS,
+                   help="where unit inputs (activation checkpoints) live between the forward "
+                        "and backward sweeps; auto: profile, then place each by a "
+                        "lifetime-aware plan (the device within --snake-gpu-memory-limit, "
+                        "host memory when it fits, else the drive). Default: auto for the "
+                        "vertical schedule, nvme otherwise (the horizontal ablation, "
+                        "--snake-activation-offload alone)")
     g.add_argument("--snake-profile-iters", type=int, default=2,
                    help="iterations profiled before the activation plan is made (auto tier)")
     g.add_argument("--snake-plan-json", default=None,
@@ -218,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(pinned: not re-read each sweep). Default: no check, nothing pinned")
     g.add_argument("--snake-host-memory-limit", default="2GiB",
                    help="hard limit of the host buffer pool (e.g. 4GiB)")
+    g.add_argument("--snake-auto", action="store_true",
+                   help="choose " + ", ".join(AUTO_CHOSEN_FLAGS) + " by the cost model "
+                        "(megatron_snake/planner) for --snake-hardware: the least predicted "
+                        "step time within the device's memory, --snake-host-memory-limit and "
+                        "the drives; prints the choice and its predicted breakdown, then "
+                        "trains with it")
+    g.add_argument("--snake-hardware", default=None, metavar="PROFILE",
+                   help="hardware profile for --snake-auto and --snake-dry-run's prediction: "
+                        "a JSON file (tools/calibrate.py) or a shipped profile's name "
+                        "(megatron_snake/planner/profiles/)")
     g.add_argument("--snake-dry-run", action="store_true",
                    help="with --snake-offload: print the pre-flight (the bytes each tier "
                         "needs: the device's working set, host memory, drive space), check "
@@ -260,6 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the CPU update in the background during the next update "
                         "interval (it lands one interval later) instead of at once")
     return p
+
+
+def _validate_auto(args, parser) -> None:
+    if args.snake_auto and not args.snake_offload:
+        _fail(parser, "--snake-auto", "configures --snake-offload's run; add --snake-offload")
+    if args.snake_auto and args.snake_schedule != "vertical":
+        _fail(parser, "--snake-auto", "plans the vertical schedule; drop --snake-schedule "
+              "horizontal")
+    if args.snake_hardware is None:
+        if args.snake_auto:
+            _fail(parser, "--snake-auto", "needs --snake-hardware PROFILE (measure one with "
+                  "tools/calibrate.py, or name a shipped one such as h100_4x_gen4)")
+        return
+    if not (args.snake_auto or args.snake_dry_run):
+        _fail(parser, "--snake-hardware", "is read by --snake-auto and --snake-dry-run; add "
+              "one of them or drop the flag")
+    _check(parser, load_profile, args.snake_hardware, "--snake-hardware")
 
 
 def _validate_trace(args, parser) -> None:
@@ -345,19 +381,29 @@ def _validate_pipeline(args, parser) -> None:
                   "vertical with --pipeline-model-parallel-size > 1")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
+    """``world_size``: the ranks the flags are for (default torchrun's WORLD_SIZE, or 1);
+    the planner passes the world it plans."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    validate_args(args, parser)
+    if args.snake_auto:
+        given = sys.argv[1:] if argv is None else argv
+        for flag in AUTO_CHOSEN_FLAGS:
+            if any(a == flag or a.startswith(flag + "=") for a in given):
+                _fail(parser, flag, "is chosen by --snake-auto; drop one of the two")
+    validate_args(args, parser, world_size)
     return args
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None):
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                  world_size: int | None = None):
     """Fill derived defaults and reject inconsistent flags, naming the flag at fault."""
     parser = parser or build_parser()
     _validate_ranges(args, parser)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.data_parallel_size = _check(
-        parser, data_parallel_size, int(os.environ.get("WORLD_SIZE", 1)),
+        parser, data_parallel_size, world_size,
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         _fail(parser, "--sequence-parallel", "needs --tensor-model-parallel-size > 1 "
@@ -382,6 +428,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
                 _fail(parser, flag, str(exc))
     if args.snake_offload or args.snake_activation_offload:   # the store's host pool
         _check(parser, check_host_memory_limit, args.snake_host_memory_limit)
+    if args.snake_activation_tier is None:   # placed by the plan where there is one to make
+        args.snake_activation_tier = "auto" if args.snake_offload and \
+            args.snake_schedule == "vertical" else "nvme"
     if args.snake_activation_offload and not args.snake_offload and \
             args.snake_activation_tier == "device":
         _fail(parser, "--snake-activation-tier", "use host or nvme with "
@@ -407,6 +456,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               "--snake-offload or drop the flag")
     _validate_io_engine(args, parser)
     _validate_trace(args, parser)
+    _validate_auto(args, parser)
     if args.snake_offload:
         _check(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)

@@ -17,8 +17,8 @@ from megatron.core import parallel_state
 import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.storage.safe_files import write_file_atomically
-from megatron_snake.training import (checkpointing, distributed, offloaded_state,
-                                     preflight)
+from megatron_snake.training import (auto_config, checkpointing, distributed,
+                                     offloaded_state, preflight)
 from megatron_snake.training.build import Run, build_run
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
@@ -233,6 +233,8 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     log = TrainLog(args, vocab, device, rank=rank)
+    if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
+        auto_config.configure(args, vocab, log=log.print)
     if args.snake_offload:  # the bytes each tier needs, refused before the model is built
         preflight.run(args, vocab, rank=rank, log=log.print)
         if args.snake_dry_run:

@@ -247,9 +247,13 @@ def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: 
 @dataclass(frozen=True)
 class HostRoom:
     """Host buffers a copy made only if there is room must leave free (TensorStore's
-    ``spill``/``if_room``): the drive's staging and what the placement planned for the
-    host tier are never crowded out by records that can go to the drive instead."""
+    ``spill``/``if_room``), besides ``planned``: the buffers the placement planned for the
+    host tiers, which the pool keeps for them until they are taken (``HostBufferPool.
+    reserved``). So records that can go to the drive instead never crowd out the drive's
+    staging or what was planned, and use what the planned records do not hold yet or any
+    more (the unit inputs freed unit by unit in the backward sweep)."""
 
+    planned: int   # host-tier weights and optimizer state, unit inputs planned on host
     spill: int     # gradients waiting for their update, optimizer state read ahead
     weights: int   # the weights a unit reads next (prefetch, a just-updated part): they
     #                may also use the two units' worth reserved for them
@@ -257,19 +261,18 @@ class HostRoom:
 
 def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int) -> HostRoom:
     """``HostRoom`` from the placement: an eighth of the pool for staging, the host tiers
-    chosen, the unit inputs on the host (or the activation plan's budget under ``auto``,
-    plus one buffer per checkpoint for rounding), and two of the largest unit's weights
-    reserved for the weights read next. With saved tensors
-    offloaded to the host (their size is known only while running) nothing spills to
-    host memory."""
+    chosen and the unit inputs on the host (or the activation plan's budget under ``auto``,
+    plus one buffer per checkpoint for rounding) planned, and two of the largest unit's
+    weights reserved for the weights read next. With saved tensors offloaded to the host
+    (their size is known only while running) nothing spills to host memory."""
     staging = max(1, pool_buffers // 8)
     if args.snake_activation_offload and args.snake_activation_tier == "host":
-        return HostRoom(pool_buffers, pool_buffers)
+        return HostRoom(0, pool_buffers, pool_buffers)
     planned = sum(n for _, n in on_host_tier(args, tiers, need))
     if args.snake_activation_tier == "auto":   # the planner's budget (step.py), in bytes
         planned += pool_buffers // 2 + checkpoints_per_step(args)
     reserve = 0 if tiers.params == "host" else 2 * need.largest_unit_weights
-    return HostRoom(spill=staging + planned + reserve, weights=staging + planned)
+    return HostRoom(planned=planned, spill=staging + reserve, weights=staging)
 
 
 def saves_to_offload_drive(args, offload_path: str) -> bool:
@@ -313,8 +316,10 @@ def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
 
 
 def nvme_bytes(args, tiers: StateTiers, weights_bytes: int, optimizer_bytes: int) -> int:
-    """What the plan places on NVMe: checked against free space before the first step."""
-    total = checkpoint_bytes_per_step(args) if args.snake_activation_tier == "nvme" else 0
+    """What the plan places on NVMe: checked against free space before the first step.
+    Under ``auto`` every unit input may be there (the profiled steps put them all there)."""
+    total = checkpoint_bytes_per_step(args) \
+        if args.snake_activation_tier in ("nvme", "auto") else 0
     total += weights_bytes if tiers.params == "nvme" else 0
     total += optimizer_bytes if tiers.optimizer == "nvme" else 0
     return total
@@ -397,7 +402,7 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     try:
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
         room = host_room(args, tiers, need, store.pool.count)
-        store.spill_keep_free = room.spill
+        store.spill_keep_free, store.pool.reserved = room.spill, room.planned
         planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
         if initial is not None:   # held until the state is built from them: counted too
             planned += initial.nbytes

@@ -340,7 +340,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         nvme_weights=numel * elem if tiers.params == "nvme" else 0,
         nvme_optimizer=12 * numel if tiers.optimizer == "nvme" else 0,
         nvme_gradients=4 * numel if tiers.optimizer == "nvme" else 0,
-        nvme_unit_inputs=ckpt if args.snake_activation_tier == "nvme" else 0)
+        nvme_unit_inputs=ckpt if args.snake_activation_tier in ("nvme", "auto") else 0)
     assert sum(pf_parts.values()) == planned, (pf_parts, planned)
     # build_run builds the model through InitialWeights (tier nvme): every parameter of
     # this rank, in the dtype Megatron creates it in, is on the drive until the state is

@@ -1,0 +1,335 @@
+"""The cost of one training step of the vertical schedule, from a workload and a hardware
+profile.
+
+Per pipeline stage and sweep, each resource's busy time: device compute (with the
+tensor-parallel all-reduces, which it waits for), copies between the device and the store,
+host-memory copies inside the store, the drive (reads and writes share it), the CPU AdamW
+and the data-parallel collectives. They overlap, so a sweep takes the busiest of them, plus
+the first unit's weight read, which nothing hides. Read-ahead moves the optimizer state's
+reads from the forward sweep into the backward sweep's drive slack, as the runtime does
+(docs/overlap.md). A stage's time is its sweeps over all snake groups plus its pipeline
+sends; the step is the slowest stage's time stretched by the bubble, (M/G + p - 1) / (M/G)
+(1F1B with M/G groups). Bytes follow the store's accounting: what each tier holds, and
+what it reads and writes per step, per kind of state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_snake.planner.hardware import Hardware
+from megatron_snake.planner.workload import Stage, Workload
+
+RESOURCES = ("compute", "copy", "host", "drive", "cpu_adam", "dp_comm")
+SWEEPS = ("forward", "backward")
+OPTIMIZER_BYTES = 12   # fp32 master weight and two moments per parameter
+GRAD_BYTES = 4         # the fp32 gradient a parameter's update waits with
+
+
+class DoesNotFit(ValueError):
+    """The workload needs more of a tier than the hardware has."""
+
+
+@dataclass
+class Traffic:
+    """Bytes of one sweep: per kind of state and tier, [read, written]."""
+
+    by_kind: dict = field(default_factory=dict)
+    copy: int = 0              # between the device and the store (PCIe on a GPU)
+    adam_params: int = 0       # parameters the CPU AdamW updates
+    dp_bytes: float = 0.0      # data-parallel collective bytes per rank (bus bytes)
+
+    def add(self, kind: str, tier: str, read: float = 0, written: float = 0) -> None:
+        if tier == "device" or (not read and not written):
+            return
+        rw = self.by_kind.setdefault(kind, {}).setdefault(tier, [0, 0])
+        rw[0] += int(round(read))
+        rw[1] += int(round(written))
+
+    def tier(self, tier: str) -> tuple[int, int]:
+        rws = [t[tier] for t in self.by_kind.values() if tier in t]
+        return sum(r for r, _ in rws), sum(w for _, w in rws)
+
+
+@dataclass
+class StageCost:
+    stage: int
+    sweeps: dict               # sweep -> {resource: seconds, "fill": s, "time": s}
+    p2p_s: float
+    traffic: dict              # sweep -> Traffic
+    capacity: dict             # tier -> bytes this rank holds
+
+    @property
+    def time_s(self) -> float:
+        return sum(s["time"] for s in self.sweeps.values()) + self.p2p_s
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble_s: float
+    stages: list               # StageCost per stage
+    slowest: int               # the stage that sets the step time
+    breakdown: dict            # the slowest stage: sweep -> {resource: s}, plus bubble, p2p
+    bytes: dict                # tier -> {"capacity", "read", "written"}, the slowest stage
+    bytes_by_kind: dict        # kind -> tier -> [read, written] per step, the slowest stage
+    drive_capacity_per_node: int
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "bubble_s": self.bubble_s, "slowest_stage": self.slowest,
+                "breakdown": self.breakdown, "bytes": self.bytes,
+                "bytes_by_kind": self.bytes_by_kind,
+                "drive_capacity_per_node": self.drive_capacity_per_node}
+
+
+# --- placement --------------------------------------------------------------------------
+def _share(n: int, dp: int) -> int:
+    """This data-parallel rank's records of n parameters."""
+    return -(-n // dp)
+
+
+def _buffers(nbytes: float, w: Workload) -> int:
+    return max(1, math.ceil(nbytes / (w.host_buffer_bytes - 64)))   # 64: a record's header
+
+
+def _checkpoint_counts(w: Workload, stage: int) -> tuple[int, int, int]:
+    """(unit inputs stored per step, read back in the backward sweep, read in the forward
+    sweep). The first stage's first unit starts from the embedding; a later stage stores
+    what it received. In the forward sweep a unit reads its group's inputs but the one that
+    just left the previous unit (served from memory)."""
+    units = len(w.stages[stage].unit_params)
+    stored = (units - (1 if stage == 0 else 0)) * w.micro_batches
+    forward_reads = max(0, units - 2) * (w.group_size - 1) * w.groups
+    return stored, stored, forward_reads
+
+
+def device_working_set(w: Workload, st: Stage) -> int:
+    """The largest unit's weights and fp32 gradient, the tied weights, one micro-batch's
+    input and output, the next unit prefetched, and the activations of one micro-batch's
+    recompute (Korthikanti et al.: s b h (34 + 5 a s / h) bytes a layer at 2 bytes, over
+    the tensor-parallel ranks)."""
+    e, c = w.elem_bytes, w.checkpoint_bytes
+    act_layer = w.seq_length * w.micro_batch_size * w.hidden_size * \
+        (34 + 5 * w.heads * w.seq_length / w.hidden_size) / w.tp * e / 2
+    units = max(p * (e + GRAD_BYTES) + layers * act_layer
+                for p, layers in zip(st.unit_params, st.unit_layers))
+    return int(units + st.shared_params * (e + GRAD_BYTES) + 2 * c + max(st.unit_params) * e)
+
+
+def _checkpoint_tiers(w: Workload, st: Stage, hw: Hardware, stored: int) -> dict:
+    """Fraction of the unit inputs on each tier. ``auto``: the device's memory left after the
+    working set, then half the host pool (in whole buffers), then the drive."""
+    if w.activation_tier != "auto":
+        return {w.activation_tier: 1.0}
+    alive = stored // w.groups or 1      # a group's inputs are freed by its backward sweep
+    c = w.checkpoint_bytes
+    on_device = max(0, hw.device_memory * 0.9 - device_working_set(w, st)) // c
+    on_host = (w.host_pool_bytes // 2) // (_buffers(c, w) * w.host_buffer_bytes)
+    device = min(alive, on_device)
+    host = min(alive - device, on_host)
+    return {"device": device / alive, "host": host / alive, "nvme": (alive - device - host) / alive}
+
+
+# --- traffic ----------------------------------------------------------------------------
+def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
+    """({sweep: Traffic}, {tier: bytes held}) of one rank of ``stage``."""
+    st = w.stages[stage]
+    e, dp, groups = w.elem_bytes, w.dp, w.groups
+    shares = [_share(p, dp) for p in st.unit_params]
+    shared = _share(st.shared_params, dp)
+    numel = sum(shares) + shared
+    weights = numel * e
+    turn = st.unit_params[-1] if stage == w.pp - 1 else 0   # the last unit, kept at the turn
+    f = 1.0 if w.update_in_forward else w.alpha              # updated in the forward sweep
+    fwd, bwd = Traffic(), Traffic()
+
+    # working weights: read in both sweeps of every group; an update writes its part once.
+    # The forward sweep's updates publish into host memory, where the first group's read
+    # finds them, and are written to the drive after it.
+    bwd_weights = groups * (weights - _share(turn, dp) * e - shared * e)
+    fwd.add("weights", w.param_tier, read=groups * weights - f * weights, written=f * weights)
+    if w.param_tier == "nvme":
+        fwd.add("weights", "host", read=f * weights, written=f * weights)
+    bwd.add("weights", w.param_tier, read=bwd_weights, written=(1 - f) * weights)
+    fwd.copy += groups * weights
+    bwd.copy += bwd_weights
+
+    # gradients: off the device in the backward sweep, read by their update; host while the
+    # pool has room beside the planned records, else the optimizer's tier
+    grads = numel * GRAD_BYTES
+    stored, bwd_reads, fwd_reads = _checkpoint_counts(w, stage)
+    ckpt_tiers = _checkpoint_tiers(w, st, hw, stored)
+    planned = ckpt_tiers.get("host", 0) * (stored // groups) * _buffers(w.checkpoint_bytes, w)
+    if w.activation_tier == "auto":
+        planned = (w.host_pool_bytes // 2) // w.host_buffer_bytes
+    room = (w.host_pool_bytes // w.host_buffer_bytes) * 7 // 8 - planned \
+        - 2 * _buffers(max(shares) * e, w)
+    grad_tier = "host" if w.optimizer_tier == "host" or \
+        _buffers(f * grads, w) + _buffers(max(shares) * GRAD_BYTES, w) <= room else "nvme"
+    bwd.add("grad", grad_tier, written=grads, read=(1 - f) * grads)
+    fwd.add("grad", grad_tier, read=f * grads)
+    bwd.copy += grads
+
+    # optimizer state: read and written once, in the sweep that runs the update
+    state = numel * OPTIMIZER_BYTES
+    fwd.add("optim", w.optimizer_tier, read=f * state, written=f * state)
+    bwd.add("optim", w.optimizer_tier, read=(1 - f) * state, written=(1 - f) * state)
+    fwd.adam_params, bwd.adam_params = f * numel, (1 - f) * numel
+
+    # unit inputs: stored in the forward sweep, read back in both
+    c = w.checkpoint_bytes
+    for tier, frac in ckpt_tiers.items():
+        fwd.add("activations", tier, read=frac * fwd_reads * c, written=frac * stored * c)
+        bwd.add("activations", tier, read=frac * bwd_reads * c)
+        if tier != "device":
+            fwd.copy += frac * (fwd_reads + stored) * c
+            bwd.copy += frac * bwd_reads * c
+
+    # data parallelism: weights all-gathered per read, gradients reduce-scattered once
+    if dp > 1:
+        ring = (dp - 1) / dp
+        full = (sum(st.unit_params) + st.shared_params) * e
+        fwd.dp_bytes = ring * groups * full
+        bwd.dp_bytes = ring * (groups * (full - turn * e - st.shared_params * e)
+                               + (sum(st.unit_params) + st.shared_params) * GRAD_BYTES)
+
+    held = {"device": device_working_set(w, st), "host": w.host_pool_bytes, "nvme": 0}
+    held["nvme"] += weights if w.param_tier == "nvme" else 0
+    held["nvme"] += state + grads if w.optimizer_tier == "nvme" else 0
+    if w.activation_tier in ("nvme", "auto"):   # auto: the profiled steps put all there
+        held["nvme"] += stored // groups * c
+    held["device"] += int(ckpt_tiers.get("device", 0) * stored // groups * c)
+    return {"forward": fwd, "backward": bwd}, held
+
+
+# --- time -------------------------------------------------------------------------------
+def _bus(w: Workload, hw: Hardware, ranks: int) -> float:
+    """Collective bandwidth of a group spanning ``ranks`` consecutive GPUs."""
+    return hw.intra_node_Bps if ranks <= hw.gpus_per_node else hw.inter_node_Bps
+
+
+def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> dict:
+    st = w.stages[stage]
+    share = hw.gpus_per_node    # the node's drives serve all its GPUs at once
+    drive_r, drive_w = hw.drive_read_Bps / share, hw.drive_write_Bps / share
+    # The backward sweep recomputes each unit and runs its backward (twice a forward); the
+    # last stage's forward sweep stops before its last unit, which turns in place.
+    units = len(st.unit_flops) - (1 if sweep == "forward" and stage == w.pp - 1 else 0)
+    passes = 3 if sweep == "backward" else 1
+    flops = passes * sum(st.unit_flops[:units])
+    tp_s = 0.0
+    if w.tp > 1:   # two all-reduces per layer and pass
+        act = w.micro_batch_size * w.seq_length * w.hidden_size * w.elem_bytes
+        per = 2 * (w.tp - 1) / w.tp * act / _bus(w, hw, w.tp)
+        tp_s = 2 * passes * sum(st.unit_layers[:units]) * per * w.micro_batches
+    drive_read, drive_written = t.tier("nvme")
+    host_read, host_written = t.tier("host")
+    out = {
+        "compute": flops * w.micro_batches / (hw.device_tflops * 1e12) + tp_s
+        + passes * units * w.micro_batches * hw.unit_overhead_s,
+        "copy": t.copy / hw.pcie_Bps,
+        "host": (host_read + host_written) / hw.host_copy_Bps,
+        "drive": drive_read / drive_r + drive_written / drive_w,
+        "cpu_adam": t.adam_params / hw.cpu_adam_params_per_s,
+        "dp_comm": t.dp_bytes / _bus(w, hw, w.tp * w.dp) if w.dp > 1 else 0.0,
+    }
+    first = _share(st.unit_params[0], w.dp) * w.elem_bytes
+    rate = drive_r if w.param_tier == "nvme" else hw.host_copy_Bps
+    out["fill"] = w.groups * (first / rate + first / hw.pcie_Bps)
+    return out
+
+
+def _read_ahead(w: Workload, hw: Hardware, sweeps: dict, traffic: dict) -> None:
+    """Move forward-sweep optimizer reads into the backward sweep's drive slack (into host
+    memory), as OffloadedAdamW.read_ahead_state does."""
+    if w.optimizer_tier != "nvme":
+        return
+    fwd, bwd = sweeps["forward"], sweeps["backward"]
+    slack = max(r for k, r in bwd.items() if k in RESOURCES) - bwd["drive"]
+    read = traffic["forward"].by_kind.get("optim", {}).get("nvme", [0, 0])[0]
+    drive_r = hw.drive_read_Bps / hw.gpus_per_node
+    moved = int(min(read, slack * drive_r))
+    if moved <= 0:
+        return
+    traffic["forward"].by_kind["optim"]["nvme"][0] -= moved
+    traffic["backward"].add("optim", "nvme", read=moved)
+    traffic["backward"].add("optim", "host", written=moved)
+    traffic["forward"].add("optim", "host", read=moved)
+    for sweep, sign in (("forward", -1), ("backward", 1)):
+        sweeps[sweep]["drive"] += sign * moved / drive_r
+        sweeps[sweep]["host"] += moved / hw.host_copy_Bps
+
+
+def stage_cost(w: Workload, hw: Hardware, stage: int) -> StageCost:
+    traffic, held = stage_traffic(w, stage, hw)
+    sweeps = {s: _seconds(w, hw, stage, s, traffic[s]) for s in SWEEPS}
+    _read_ahead(w, hw, sweeps, traffic)
+    for s in sweeps.values():
+        s["time"] = max(s[r] for r in RESOURCES) + s["fill"]
+    p2p = 0.0
+    if w.pp > 1:   # activations forward and gradients back, per group and boundary
+        p2p = 2 * w.micro_batches * w.checkpoint_bytes / \
+            _bus(w, hw, w.tp * w.dp * w.pp) * (2 if 0 < stage < w.pp - 1 else 1)
+    return StageCost(stage, sweeps, p2p, traffic, held)
+
+
+def check_fits(w: Workload, hw: Hardware, cost: StageCost) -> None:
+    need = cost.capacity
+    if need["device"] > hw.device_memory:
+        raise DoesNotFit(
+            f"device memory: stage {cost.stage} needs {need['device'] / 2**30:.1f} GiB "
+            f"(the largest unit's working set, its recompute's activations and the unit "
+            f"inputs kept there), the device has {hw.device_memory / 2**30:.1f} GiB: raise "
+            "--tensor-model-parallel-size or lower --snake-checkpoint-interval or "
+            "--micro-batch-size")
+    node_drive = need["nvme"] * hw.gpus_per_node
+    if node_drive > hw.drive_capacity:
+        raise DoesNotFit(
+            f"drive: a node needs {node_drive / 1e12:.2f} TB ({need['nvme'] / 1e9:.1f} GB per "
+            f"GPU), its drives hold {hw.drive_capacity / 1e12:.2f} TB: use more nodes or "
+            "larger drives")
+    node_host = w.host_pool_bytes * hw.gpus_per_node
+    if node_host > hw.host_memory:
+        raise DoesNotFit(
+            f"host memory: {hw.gpus_per_node} GPUs x --snake-host-memory-limit "
+            f"{w.host_pool_bytes / 2**30:.1f} GiB = {node_host / 2**30:.1f} GiB, the node has "
+            f"{hw.host_memory / 2**30:.1f} GiB: lower --snake-host-memory-limit")
+
+
+def predict(w: Workload, hw: Hardware, *, check: bool = True) -> Prediction:
+    """The step time and bytes of ``w`` on ``hw``; DoesNotFit names the tier that is short."""
+    costs = [stage_cost(w, hw, s) for s in range(w.pp)]
+    if check:
+        for cost in costs:
+            check_fits(w, hw, cost)
+    slowest = max(costs, key=lambda c: c.time_s)
+    stretch = (w.groups + w.pp - 1) / w.groups
+    step = slowest.time_s * stretch
+    gpus = w.dp * w.tp * w.pp
+    traffic = slowest.traffic
+    by_kind: dict = {}
+    for t in traffic.values():
+        for kind, tiers in t.by_kind.items():
+            for tier, (r, wr) in tiers.items():
+                acc = by_kind.setdefault(kind, {}).setdefault(tier, [0, 0])
+                acc[0] += r
+                acc[1] += wr
+    tiers = {}
+    for tier in ("host", "nvme"):
+        read = sum(t.tier(tier)[0] for t in traffic.values())
+        written = sum(t.tier(tier)[1] for t in traffic.values())
+        tiers[tier] = {"capacity": slowest.capacity[tier], "read": read, "written": written}
+    tiers["device"] = {"capacity": slowest.capacity["device"], "read": 0, "written": 0}
+    breakdown = {s: {k: v for k, v in slowest.sweeps[s].items()} for s in SWEEPS}
+    breakdown["p2p_s"] = slowest.p2p_s
+    breakdown["bubble_s"] = step - slowest.time_s
+    return Prediction(
+        step_time_s=step, tokens_per_s=w.tokens_per_step / step,
+        mfu=w.model_flops / (step * gpus * hw.device_peak_tflops * 1e12),
+        bubble_s=step - slowest.time_s, stages=costs, slowest=slowest.stage,
+        breakdown=breakdown, bytes=tiers, bytes_by_kind=by_kind,
+        drive_capacity_per_node=max(c.capacity["nvme"] for c in costs) * hw.gpus_per_node)

@@ -1,0 +1,95 @@
+"""The hardware profile the cost model predicts for: one node's rates and capacities.
+
+A profile is a JSON object of the fields below (``tools/calibrate.py`` measures this machine;
+``megatron_snake/planner/profiles/`` has typical nodes built from public figures). Rates are
+bytes or parameters per second, capacities bytes. Drive figures are the node's total over
+its drives; the node's GPUs share them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    device_tflops: float          # achieved on a unit's matmuls (what a step gets, not peak)
+    device_peak_tflops: float     # the datasheet's dense figure, for MFU
+    unit_overhead_s: float        # host time of one unit pass on one micro-batch beside its
+    #                               FLOPs (Python, kernel launches): what small units cost
+    device_memory: int
+    pcie_Bps: float               # host<->device copies, one direction, per GPU
+    drive_read_Bps: float         # the node's drives together
+    drive_write_Bps: float
+    drive_capacity: int
+    host_memory: int              # the node's RAM
+    host_copy_Bps: float          # a memory copy in host RAM (the store's host tier), per GPU
+    cpu_adam_params_per_s: float  # the fused CPU AdamW, per GPU's share of the cores
+    intra_node_Bps: float         # collective bus bandwidth between a node's GPUs
+    inter_node_Bps: float         # per GPU, between nodes
+    source: str = ""              # how the figures were obtained
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "source"):
+                if not isinstance(value, str):
+                    raise ValueError(f"hardware profile: {f.name} must be a string")
+                continue
+            low_ok = f.name == "unit_overhead_s" and value == 0
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or (value <= 0 and not low_ok):
+                raise ValueError(f"hardware profile {self.name!r}: {f.name} must be a positive "
+                                 f"number, got {value!r}")
+        if self.device_tflops > self.device_peak_tflops:
+            raise ValueError(f"hardware profile {self.name!r}: device_tflops "
+                             f"{self.device_tflops} is above device_peak_tflops "
+                             f"{self.device_peak_tflops}")
+
+    @classmethod
+    def from_dict(cls, d: dict, origin: str = "hardware profile") -> "Hardware":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{origin}: unknown field(s) {unknown}; the fields are "
+                             f"{sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in d and f.name != "source")
+        if missing:
+            raise ValueError(f"{origin}: missing field(s) {missing}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str, flag: str = "--hardware") -> "Hardware":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {path}: not JSON ({exc})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{flag} {path}: expected a JSON object")
+        return cls.from_dict(d, origin=f"{flag} {path}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> "Hardware":
+        return Hardware.from_dict({**self.to_dict(), **changes})
+
+
+def load_profile(name: str, flag: str = "--hardware") -> Hardware:
+    """A profile from a JSON file, or a shipped one by name (``profiles/<name>.json``)."""
+    path = name if os.path.exists(name) else os.path.join(PROFILES, f"{name}.json")
+    if not os.path.exists(path):
+        shipped = sorted(f[:-5] for f in os.listdir(PROFILES) if f.endswith(".json"))
+        raise ValueError(f"{flag} {name}: no such file, nor a shipped profile "
+                         f"({', '.join(shipped)})")
+    return Hardware.load(path, flag)

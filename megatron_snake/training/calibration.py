@@ -1,0 +1,119 @@
+"""This machine's rates, measured the way a run uses them: the compute device on one unit of
+the model, the drive through the store, host copies, the fused CPU AdamW and collectives.
+tools/calibrate.py writes them as a planner profile; tools/bench_overlap.py uses them for
+its roofline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_snake.optim.adamw import fused_adamw_
+
+MiB = 1 << 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drive_rates(store, nbytes: int = 256 * MiB, record: int = 64 * MiB) -> dict:
+    """Write and read ``nbytes`` through ``store`` to its drive, as 64 MiB records (the
+    store's own engine, checksums and queue depth): bytes/s each way."""
+    data = torch.empty(record, dtype=torch.uint8).random_()
+    keys = [("calibration", i) for i in range(nbytes // record)]
+    start = time.perf_counter()
+    for handle in [store.put(k, data, tier="nvme", kind="calibration") for k in keys]:
+        handle.wait()
+    write = time.perf_counter() - start
+    start = time.perf_counter()
+    for handle in [store.get(k) for k in keys]:
+        handle.wait()
+    read = time.perf_counter() - start
+    for key in keys:
+        store.delete(key).wait()
+    return {"write": nbytes / write, "read": nbytes / read}
+
+
+def copy_rate(nbytes: int = 256 * MiB, device: torch.device | None = None) -> float:
+    """Bytes/s of a copy from host memory: into host memory (what a host-tier put or get
+    does), or onto ``device`` from pinned memory (a GPU's host-to-device copies)."""
+    cuda = device is not None and device.type == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device if cuda else "cpu")
+    times = []
+    for _ in range(3):
+        _sync(dst.device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        _sync(dst.device)
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times)
+
+
+def adamw_rate(numel: int = 32 * MiB) -> float:
+    """Fused CPU AdamW parameters/s (the optimizer worker's kernel, on every core)."""
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    step, times = torch.tensor(1.0), []
+    for _ in range(3):
+        start = time.perf_counter()
+        fused_adamw_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.999,
+                     weight_decay=0.01, eps=1e-8)
+        times.append(time.perf_counter() - start)
+    return numel / min(times)
+
+
+def unit_seconds(units, unit: int, hidden: torch.Tensor, ctx, repeats: int = 3
+                 ) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of ``unit`` of ``units`` (a GPTUnits) on one
+    micro-batch whose input is ``hidden``, medians over ``repeats`` after one warm-up."""
+    fwd, both = [], []
+    for i in range(repeats + 1):
+        _sync(hidden.device)
+        start = time.perf_counter()
+        out = units.forward_unit(unit, hidden, ctx)
+        _sync(hidden.device)
+        middle = time.perf_counter()
+        out.float().square().mean().backward()
+        _sync(hidden.device)
+        end = time.perf_counter()
+        units.gpt.zero_grad(set_to_none=True)
+        hidden.grad = None
+        if i:
+            fwd.append(middle - start)
+            both.append(end - start)
+    return statistics.median(fwd), statistics.median(both)
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, repeats: int = 3) -> float:
+    """TFLOP/s of an n x n matmul: the device's dense rate in ``dtype``."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / min(times[1:]) / 1e12
+
+
+def allreduce_bus_rate(nbytes: int = 64 * MiB, device: torch.device | None = None) -> float:
+    """Bus bandwidth of an all-reduce over the world (NCCL-tests' convention: 2 (n-1)/n of
+    the buffer crosses each rank's link), bytes/s."""
+    world = dist.get_world_size()
+    buf = torch.ones(nbytes // 4, device=device or "cpu")
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        _sync(buf.device)
+        times.append(time.perf_counter() - start)
+    return 2 * (world - 1) / world * nbytes / statistics.median(times[1:])

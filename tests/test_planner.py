@@ -1,0 +1,279 @@
+"""The cost model (megatron_snake/planner): its bytes against the store's own counters on real
+runs, its time against an independent 1F1B schedule and monotone in every bandwidth, the
+command line, and one clear error per kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_snake.planner import DoesNotFit, Hardware, Stage, Workload, predict
+from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.build import build_run
+from megatron_snake.training.data import random_microbatches
+from megatron_snake.training.workload import workload_from_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILES = os.path.join(ROOT, "megatron_snake", "planner", "profiles")
+H100 = Hardware.load(os.path.join(PROFILES, "h100_4x_gen4.json"))
+VOCAB = 256
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", str(VOCAB), "--device", "cpu", "--snake-offload"]
+BYTES = {"weights", "optim", "grad", "activations"}
+
+
+def _measured_step_bytes(args, device, steps: int = 4) -> dict:
+    """The store's counters over the last of ``steps`` steps: kind -> tier -> [read, written]."""
+    with build_run(args, device, VOCAB, log=lambda _: None) as run:
+        store = run.tensor_store
+        for step in range(steps):
+            before = {k: {t: list(v) for t, v in tiers.items()}
+                      for k, tiers in store.counters.by_kind.items()}
+            run.step(random_microbatches(args.num_microbatches, args.micro_batch_size,
+                                         args.seq_length, VOCAB, seed=step, device=device))
+            run.optimizer.wait_running()
+            store.synchronize()
+        return {k: {t: [v[0] - before.get(k, {}).get(t, [0, 0])[0],
+                        v[1] - before.get(k, {}).get(t, [0, 0])[1]]
+                    for t, v in tiers.items() if v != before.get(k, {}).get(t, [0, 0])}
+                for k, tiers in store.counters.by_kind.items() if k in BYTES}
+
+
+@pytest.mark.parametrize("extra", [
+    ["--snake-activation-tier", "nvme"],                             # clipping: all forward
+    ["--clip-grad", "0", "--snake-activation-tier", "nvme"],         # alpha split
+    ["--bf16", "--snake-activation-tier", "host"],
+    ["--snake-group-size", "2", "--snake-activation-tier", "nvme"],  # two snake groups
+])
+def test_predicted_drive_bytes_match_the_stores_counters(megatron_world, tmp_path, extra):
+    """Per kind of state, the bytes per step: the optimizer state's on the drive, the
+    weights' written and the unit inputs' written exactly, the gradients' tier exactly, the
+    weights' reads within 10% (a read served from a just-published host copy depends on
+    room), and the unit inputs' reads between the model's count and one more input per unit
+    and snake group (the input that just left the previous unit is served from memory while
+    its write is in flight, which the model assumes, or from its tier once written)."""
+    args = parse_args([*SMALL, "--snake-offload-dir", str(tmp_path), *extra])
+    predicted = predict(workload_from_args(args, VOCAB), H100.with_(gpus_per_node=1),
+                        check=False).bytes_by_kind
+    measured = _measured_step_bytes(args, megatron_world)
+    assert measured["optim"]["nvme"] == predicted["optim"]["nvme"]
+    assert set(measured["grad"]) == set(predicted["grad"]) == {"host"}
+    assert measured["grad"]["host"][1] == predicted["grad"]["host"][1]
+    assert measured["weights"]["nvme"][1] == predicted["weights"]["nvme"][1], "written once"
+    assert measured["weights"]["nvme"][0] == pytest.approx(predicted["weights"]["nvme"][0],
+                                                           rel=0.10)
+    tier = "host" if "host" in extra else "nvme"
+    (m_read, m_written), (p_read, p_written) = (measured["activations"][tier],
+                                                predicted["activations"][tier])
+    checkpoint = args.seq_length * args.micro_batch_size * args.hidden_size * \
+        (2 if args.bf16 else 4)
+    units, groups = args.num_layers, args.num_microbatches // args.snake_group_size
+    assert m_written == p_written
+    assert p_read <= m_read <= p_read + (units - 2) * groups * checkpoint
+
+
+def _uniform(stages: int, units: int = 4, micro_batches: int = 8, group_size: int = 1,
+             **changes) -> Workload:
+    stage = Stage(unit_params=(100_000_000,) * units, unit_layers=(1,) * units,
+                  unit_flops=(5e12,) * units)
+    fields = dict(stages=(stage,) * stages, tp=1, dp=1, micro_batches=micro_batches,
+                  group_size=group_size, micro_batch_size=1, seq_length=4096, hidden_size=8192,
+                  heads=64, elem_bytes=2, alpha=0.25, update_in_forward=True,
+                  param_tier="nvme", optimizer_tier="nvme", activation_tier="nvme",
+                  host_pool_bytes=64 << 30, model_flops=1e15, global_batch=micro_batches)
+    fields.update(changes)
+    return Workload(**fields)
+
+
+def _one_f_one_b(stages: int, groups: int, fwd: float, bwd: float) -> float:
+    """Megatron's 1F1B (warm-up forwards, steady one forward one backward, cool-down), each
+    stage waiting for its neighbour's output: the finish time of the first stage's last
+    backward, by a small event simulation."""
+    done_f, done_b = {}, {}
+    order = []
+    for s in range(stages):
+        warm = min(stages - s - 1, groups)
+        ops = [("F", g) for g in range(warm)]
+        f, b = warm, 0
+        while b < groups:
+            if f < groups:
+                ops.append(("F", f))
+                f += 1
+            ops.append(("B", b))
+            b += 1
+        order.append(ops)
+    clock = [0.0] * stages
+    pending = [list(ops) for ops in order]
+    while any(pending):
+        progressed = False
+        for s in range(stages):
+            while pending[s]:
+                kind, g = pending[s][0]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else done_f.get((s - 1, g))
+                else:
+                    dep = done_f.get((s, g)) if s == stages - 1 else done_b.get((s + 1, g))
+                if dep is None:
+                    break
+                start = max(clock[s], dep)
+                clock[s] = start + (fwd if kind == "F" else bwd)
+                (done_f if kind == "F" else done_b)[(s, g)] = clock[s]
+                pending[s].pop(0)
+                progressed = True
+        assert progressed, "the schedule deadlocked"
+    return done_b[(0, groups - 1)]
+
+
+@pytest.mark.parametrize("stages,groups", [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_the_bubble_is_1f1bs_at_equal_stage_times(stages, groups):
+    """Every stage given the slowest stage's per-group times (the model's assumption), an
+    event simulation of Megatron's 1F1B ends when the model says."""
+    hw = H100.with_(gpus_per_node=8)
+    w = _uniform(stages, micro_batches=groups * 2, group_size=2)
+    pred = predict(w, hw, check=False)
+    slowest = pred.stages[pred.slowest]
+    per_group = {s: slowest.sweeps[s]["time"] / groups for s in ("forward", "backward")}
+    reference = _one_f_one_b(stages, groups, per_group["forward"] + slowest.p2p_s / groups,
+                             per_group["backward"])
+    assert pred.step_time_s == pytest.approx(reference, rel=1e-9)
+    assert pred.bubble_s / pred.step_time_s == pytest.approx((stages - 1) / (groups + stages - 1))
+
+
+RATES = ["device_tflops", "pcie_Bps", "drive_read_Bps", "drive_write_Bps", "host_copy_Bps",
+         "cpu_adam_params_per_s", "intra_node_Bps", "inter_node_Bps"]
+
+
+@pytest.mark.parametrize("workload", [
+    _uniform(1, micro_batches=4, group_size=4),
+    _uniform(1, micro_batches=32, group_size=32, update_in_forward=False),
+    _uniform(2, micro_batches=16, group_size=2, dp=4, tp=2, activation_tier="auto"),
+    _uniform(4, micro_batches=8, group_size=1, dp=16, optimizer_tier="host",
+             host_pool_bytes=1 << 40),
+])
+def test_time_is_monotone_in_every_bandwidth(workload):
+    for field in RATES:
+        times = []
+        for scale in (0.1, 0.3, 0.5, 1, 2, 4, 16):
+            hw = H100.with_(**{field: getattr(H100, field) * scale,
+                               "device_peak_tflops": H100.device_peak_tflops * 16})
+            times.append(predict(workload, hw, check=False).step_time_s)
+        assert all(a >= b for a, b in zip(times, times[1:])), (field, times)
+    assert times[0] > 0
+
+
+def _plan(*argv, check=True):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv],
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+GPT7B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+         "--seq-length", "2048", "--micro-batch-size", "4", "--global-batch-size", "256",
+         "--bf16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+         "--snake-offload", "--snake-host-memory-limit", "64GiB"]
+
+
+def test_the_command_line_prints_one_json_object():
+    out = json.loads(_plan(*GPT7B, "--hardware", "h100_4x_gen4", "--json", "--nodes", "2",
+                           "--pipeline-model-parallel-size", "2").stdout)
+    assert out["step_time_s"] > 0 and out["settings"]["dp"] == 8 and out["settings"]["pp"] == 2
+    assert out["tokens_per_s"] == pytest.approx(256 * 2048 / out["step_time_s"])
+    for sweep in ("forward", "backward"):
+        assert set(out["breakdown"][sweep]) >= {"compute", "drive", "copy", "cpu_adam", "time"}
+    assert set(out["bytes"]) == {"device", "host", "nvme"}
+    assert all({"capacity", "read", "written"} <= set(t) for t in out["bytes"].values())
+    assert 0 < out["mfu"] < 1
+    text = _plan(*GPT7B, "--hardware", os.path.join(PROFILES, "h100_8x_gen5.json")).stdout
+    assert "> step" in text and "tokens/s" in text
+
+
+def test_bad_input_gets_one_clear_error(tmp_path):
+    profile = json.loads(open(os.path.join(PROFILES, "h100_4x_gen4.json")).read())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**profile, "drive_bandwith": 1}))
+    proc = _plan(*GPT7B, "--hardware", str(bad), check=False)
+    assert proc.returncode == 2 and "unknown field(s) ['drive_bandwith']" in proc.stderr
+    bad.write_text(json.dumps({**profile, "pcie_Bps": -1}))
+    assert "pcie_Bps must be a positive number" in _plan(*GPT7B, "--hardware", str(bad),
+                                                         check=False).stderr
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**profile, "drive_capacity": 1e11}))
+    proc = _plan(*GPT7B, "--hardware", str(small), check=False)
+    assert proc.returncode == 2 and "does not fit: drive: a node needs" in proc.stderr
+    assert "TB" in proc.stderr and "0.10 TB" in proc.stderr
+    flags = [f for f in GPT7B if f != "--snake-offload"]
+    assert "add --snake-offload" in _plan(*flags, "--snake-host-memory-limit", "1GiB",
+                                          "--hardware", "h100_4x_gen4", check=False).stderr
+    assert "--snake-activation-offload: the planner does not model it" in _plan(
+        *GPT7B, "--snake-activation-offload", "--hardware", "h100_4x_gen4", check=False).stderr
+    assert "no such file, nor a shipped profile" in _plan(*GPT7B, "--hardware", "h999",
+                                                          check=False).stderr
+    with pytest.raises(DoesNotFit, match="device memory: stage 0 needs"):
+        predict(_uniform(1, micro_batches=4, group_size=4),
+                H100.with_(device_memory=1 << 30))
+
+
+def test_the_planner_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from megatron_snake.planner import predict, Hardware\n"
+            f"hw = Hardware.load({os.path.join(PROFILES, 'h100_8x_gen5.json')!r})\n"
+            "print('ok', hw.gpus_per_node)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "ok 8", out.stderr
+
+
+# --- --snake-auto and --snake-dry-run's prediction ---------------------------------------
+def test_snake_auto_flags_are_checked(capsys):
+    from conftest import expect_flag_error
+
+    expect_flag_error(capsys, [*SMALL, "--snake-auto"], "--snake-hardware")
+    expect_flag_error(capsys, [*SMALL, "--snake-auto", "--snake-hardware", "h100_4x_gen4",
+                               "--snake-alpha", "0.5"], "--snake-alpha")
+    expect_flag_error(capsys, [*SMALL, "--snake-hardware", "h100_4x_gen4"], "--snake-hardware")
+    err = expect_flag_error(capsys, [*SMALL, "--snake-auto", "--snake-hardware", "nope"],
+                            "--snake-hardware")
+    assert "shipped profile" in err
+
+
+def test_snake_auto_trains_with_the_fastest_predicted_setting(megatron_world, tmp_path,
+                                                               capsys):
+    from megatron_snake.training.auto_config import candidates, choose
+    from megatron_snake.training.loop import pretrain
+
+    flags = [*SMALL, "--snake-offload-dir", str(tmp_path), "--train-iters", "2"]
+    hw = H100.with_(gpus_per_node=1, device_memory=2 << 20)   # some choices do not fit
+    args = parse_args([*flags, "--snake-auto", "--snake-hardware", "h100_4x_gen4"])
+    choice, prediction, fitting = choose(args, VOCAB, hw)
+    times = []
+    for c in candidates(args):
+        try:
+            times.append(predict(workload_from_args(c.apply(args), VOCAB), hw).step_time_s)
+        except DoesNotFit:
+            pass
+    assert 0 < fitting <= len(times) < len(candidates(args))
+    assert prediction.step_time_s == min(times)
+    profile = tmp_path / "hw.json"
+    profile.write_text(json.dumps(hw.to_dict()))
+    capsys.readouterr()
+    losses = pretrain(parse_args([*flags, "--snake-auto", "--snake-hardware", str(profile)]))
+    out = capsys.readouterr().out
+    assert len(losses) == 2 and f"snake-auto chose, of {fitting} settings" in out
+    assert choice.flags() in out and "> predicted on" in out
+    assert f"checkpoint interval {choice.checkpoint_interval}," in out
+
+
+def test_a_dry_run_with_a_profile_prints_the_prediction(megatron_world, tmp_path, capsys):
+    from megatron_snake.training.loop import pretrain
+
+    pretrain(parse_args([*SMALL, "--snake-dry-run", "--snake-hardware", "h100_8x_gen5"]))
+    out = capsys.readouterr().out
+    assert "> predicted on 8x H100 SXM, 8 PCIe Gen5" in out and "> pre-flight" in out

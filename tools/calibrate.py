@@ -1,0 +1,146 @@
+"""Measure this machine as a planner hardware profile (megatron_snake/planner/hardware.py).
+
+    python tools/calibrate.py <pretrain_gpt.py flags> --output PROFILE.json
+    torchrun --nproc-per-node 2 tools/calibrate.py <flags> --output PROFILE.json  # + collectives
+
+For the model shape the flags give it times one decoder layer's forward and backward on the
+compute device (a 3-layer model of that shape is built; the FLOP/s is Megatron's count over
+the time, forward + backward = 3 forwards), a dense matmul (the peak, for MFU), the drive
+through the store in --snake-offload-dir (the engine the run would use; medians of three
+256 MiB passes each way), copies onto the device and within host memory, the fused CPU
+AdamW, and with several ranks an all-reduce. Capacities are the machine's: device and host
+memory, the offload drive's size. The profile says where every figure came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
+from megatron_snake.planner import Hardware, layer_flops_per_token  # noqa: E402
+from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # noqa: E402
+from megatron_snake.storage.safe_files import write_file_atomically  # noqa: E402
+from megatron_snake.training import calibration, distributed  # noqa: E402
+from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.training.data import random_microbatches  # noqa: E402
+from megatron_snake.training.model import build_gpt_model  # noqa: E402
+from megatron_snake.training.offloaded_state import open_store  # noqa: E402
+from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
+
+
+def _layer_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> float:
+    """Forward + backward seconds of one decoder layer (the middle unit of a 3-layer model
+    of the flags' shape) on one micro-batch of ``micro_batch`` x ``seq`` tokens."""
+    shape = argparse.Namespace(**{**vars(args), "num_layers": 3, "snake_checkpoint_interval": 1,
+                                  "pipeline_model_parallel_size": 1, "seq_length": seq,
+                                  "micro_batch_size": micro_batch,
+                                  "max_position_embeddings": max(seq, args.seq_length)})
+    model = build_gpt_model(shape, vocab, device)
+    units = GPTUnits(model, 1)
+    batch = random_microbatches(1, micro_batch, seq, vocab, seed=0, device=device)[0]
+    tokens = seq // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    hidden = torch.randn(tokens, micro_batch, args.hidden_size, device=device,
+                         dtype=args.params_dtype, requires_grad=True)
+    return calibration.unit_seconds(units, 1, hidden, units.context(batch))[1]
+
+
+def device_rates(args, device, vocab: int) -> tuple[float, float, float]:
+    """(achieved TFLOP/s of one layer forward + backward beside the fixed cost, dense matmul
+    TFLOP/s, the fixed seconds of one unit pass): the fixed cost is a pass of a one-token
+    micro-batch, a third of its forward + backward."""
+    overhead = _layer_seconds(args, device, vocab, seq=1, micro_batch=1) / 3
+    both = _layer_seconds(args, device, vocab, args.seq_length, args.micro_batch_size)
+    flops = layer_flops_per_token(
+        hidden=args.hidden_size, heads=args.num_attention_heads,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        query_groups=args.num_query_groups or args.num_attention_heads,
+        ffn=args.ffn_hidden_size, gated=args.swiglu, seq_length=args.seq_length,
+        tp=args.tensor_model_parallel_size) * args.micro_batch_size * args.seq_length
+    achieved = 3 * flops / max(both - 3 * overhead, both / 10) / 1e12
+    peak = calibration.matmul_tflops(2048, args.params_dtype, device)
+    return achieved, max(peak, achieved), overhead
+
+
+def memory_bytes(device) -> tuple[int, int]:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, host
+    return host, host     # the CPU computes in host memory
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="calibrate.py", allow_abbrev=False,
+                                description="Measure a planner hardware profile; other flags "
+                                "are pretrain_gpt.py's")
+    p.add_argument("--output", required=True, help="the profile JSON to write")
+    p.add_argument("--name", default=None, help="the profile's name (default: the host's)")
+    ours, flags = p.parse_known_args(argv)
+    if "--snake-offload" not in flags:
+        flags.append("--snake-offload")
+    args = parse_args(flags)
+    device = distributed.resolve_device(args.device)
+    distributed.initialize(device=device,
+                           tensor_model_parallel_size=args.tensor_model_parallel_size,
+                           seed=args.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+    # as a run does (offloaded_state.open_store): freed unit-sized blocks go back to the OS,
+    # so on the CPU each fresh activation page-faults, in the run and here alike
+    return_freed_memory_to_the_os()
+    print("> timing one layer on the compute device ...", flush=True)
+    achieved, peak, overhead = device_rates(args, device, vocab)
+    print("> the drive through the store, host copies, CPU AdamW ...", flush=True)
+    with open_store(args, device, rank) as store:
+        passes = [calibration.drive_rates(store) for _ in range(3)]
+        drive_read = statistics.median(r["read"] for r in passes)
+        drive_write = statistics.median(r["write"] for r in passes)
+        capacity = os.statvfs(store.dir.path)
+        engine = getattr(store.engine, "name", type(store.engine).__name__)
+    host_copy = calibration.copy_rate()
+    pcie = calibration.copy_rate(device=device) if device.type == "cuda" else host_copy
+    adam = calibration.adamw_rate()
+    bus, collectives = 1e12, "not measured (one process: run under torchrun)"
+    if world > 1:
+        bus = calibration.allreduce_bus_rate(device=device)
+        collectives = f"all-reduce bus bandwidth over {world} ranks ({dist.get_backend()})"
+    device_memory, host_memory = memory_bytes(device)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    hw = Hardware(
+        name=ours.name or socket.gethostname(), gpus_per_node=per_node,
+        device_tflops=achieved, device_peak_tflops=peak, unit_overhead_s=overhead,
+        device_memory=device_memory,
+        pcie_Bps=pcie, drive_read_Bps=drive_read, drive_write_Bps=drive_write,
+        drive_capacity=capacity.f_blocks * capacity.f_frsize, host_memory=host_memory,
+        host_copy_Bps=host_copy, cpu_adam_params_per_s=adam, intra_node_Bps=bus,
+        inter_node_Bps=bus,
+        source=(f"measured by tools/calibrate.py on {socket.gethostname()} "
+                f"{datetime.datetime.now().isoformat(timespec='seconds')}: {device.type} "
+                f"device, one layer of hidden {args.hidden_size}, seq {args.seq_length}, "
+                f"micro-batch {args.micro_batch_size}, {args.params_dtype}; drive through "
+                f"the store ({engine} engine); "
+                f"collectives: {collectives}"))
+    if rank == 0:
+        write_file_atomically(ours.output, (json.dumps(hw.to_dict(), indent=2) + "\n").encode(),
+                              what="hardware profile (--output)")
+        print(json.dumps(hw.to_dict(), indent=2))
+    distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
