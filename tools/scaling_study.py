@@ -4,7 +4,8 @@
 
 For every point it predicts the best parallel layout (tensor-parallel size within a node,
 pipeline stages, data parallelism for the rest; micro-batch 1; every state on the drives,
-unit inputs in host memory when they fit) with megatron_snake/planner, and writes:
+unit inputs placed as `auto` places them: device, then host, then drive) with
+megatron_snake/planner, and writes:
 - ``study.csv``: one row per point and layout kept (the fastest that fits);
 - ``throughput.png``: tokens/s and MFU against nodes;
 - ``breakdown.png``: each resource's seconds per step at one node and at the most nodes;
@@ -47,7 +48,7 @@ def workload(model: str, gpus: int, tp: int, pp: int, batch: int):
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--snake-offload", "--snake-host-memory-limit", HOST_POOL,
-        "--snake-activation-tier", "host"], world_size=gpus)
+        "--snake-activation-tier", "auto"], world_size=gpus)
     return workload_from_args(args, VOCAB)
 
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
-from megatron_snake.placement.lifetimes import LifetimeRecorder
+from megatron_snake.placement.lifetimes import LifetimeRecorder, validate
 from megatron_snake.placement.plan import make_plan, minimum_gpu_bytes
 from megatron_snake.storage.safe_files import write_file_atomically
 
@@ -106,6 +106,7 @@ class ActivationPlanner:
         self.host_budget = host_budget_bytes
         self.plan = None
         self.plans_made = 0
+        self._reserved = 0   # host-pool buffers reserved for the plan's host checkpoints
         self._shapes = None
         self._restart()
 
@@ -153,11 +154,15 @@ class ActivationPlanner:
         largest = max((lt.nbytes for lt in lifetimes), default=1 << 20)
         bandwidth = measure_tier_bandwidth(self.store, nbytes=max(largest, 1 << 20))
         # The pool holds whole buffers: a checkpoint takes host_buffers_for(its bytes) of
-        # them however small it is, so the plan's byte budget is what that many hold.
+        # them however small it is, so the plan's byte budget is what that many hold; and
+        # the host tiers' own records and the drive's staging (an eighth) come first.
+        pool = self.store.pool
         sizes = [lt.nbytes for lt in lifetimes if lt.nbytes] or [1]
-        fit = self.host_budget // (self.store.host_buffers_for(max(sizes))
-                                   * self.store.pool.buffer_bytes)
+        per_checkpoint = self.store.host_buffers_for(max(sizes))
+        free = pool.count - (pool.reserved - self._reserved) - max(1, pool.count // 8)
+        fit = max(0, min(self.host_budget // pool.buffer_bytes, free)) // per_checkpoint
         host_budget = fit * min(sizes)
+        validate(lifetimes, timeline)   # below, a ValueError is the budget's only
         budget = self.gpu_budget
         if budget is None:
             budget = max(_device_budget(self.device), minimum_gpu_bytes(lifetimes, timeline))
@@ -170,8 +175,12 @@ class ActivationPlanner:
             except ValueError:
                 if self.gpu_budget is not None:
                     raise     # the user's limit: its error says what to do
-                # ours: keep a little more in memory (everything kept always fits)
+                # ours: keep a little more in memory (keeping everything always fits)
                 budget += max(largest, budget // 8)
+        # reserve in the pool the buffers the plan's host checkpoints take at most
+        on_host = -(-self.plan.peak_bytes["host"] // min(sizes)) * per_checkpoint
+        pool.reserved += on_host - self._reserved
+        self._reserved = on_host
         self.plans_made += 1
         self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
                  f"{self.plan.summary()}")

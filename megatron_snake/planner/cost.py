@@ -120,15 +120,33 @@ def device_working_set(w: Workload, st: Stage) -> int:
     return int(units + st.shared_params * (e + GRAD_BYTES) + 2 * c + max(st.unit_params) * e)
 
 
-def _checkpoint_tiers(w: Workload, st: Stage, hw: Hardware, stored: int) -> dict:
+def _alive(w: Workload, stage: int, stored: int) -> int:
+    """Unit inputs a stage holds at once: a group's are freed by its backward sweep, and
+    under 1F1B stage s has up to p - s groups in flight."""
+    return max(1, stored // w.groups * min(w.groups, w.pp - stage))
+
+
+def _host_tier_buffers(w: Workload, shares: list[int], shared: int) -> int:
+    """Pool buffers the weights and optimizer state placed on the host tier hold (whole
+    buffers per record: a unit's weights, and master weight, two moments and gradient)."""
+    records = shares + ([shared] if shared else [])
+    n = sum(_buffers(s * w.elem_bytes, w) for s in records) if w.param_tier == "host" else 0
+    if w.optimizer_tier == "host":
+        n += sum(4 * _buffers(s * 4, w) for s in records)
+    return n
+
+
+def _checkpoint_tiers(w: Workload, st: Stage, hw: Hardware, alive: int,
+                      host_free: int) -> dict:
     """Fraction of the unit inputs on each tier. ``auto``: the device's memory left after the
-    working set, then half the host pool (in whole buffers), then the drive."""
+    working set, then host memory (half the pool at most, in whole buffers, after the host
+    tiers and the drive's staging), then the drive."""
     if w.activation_tier != "auto":
         return {w.activation_tier: 1.0}
-    alive = stored // w.groups or 1      # a group's inputs are freed by its backward sweep
     c = w.checkpoint_bytes
     on_device = max(0, hw.device_memory * 0.9 - device_working_set(w, st)) // c
-    on_host = (w.host_pool_bytes // 2) // (_buffers(c, w) * w.host_buffer_bytes)
+    pool = w.host_pool_bytes // w.host_buffer_bytes
+    on_host = max(0, min(pool // 2, host_free)) // _buffers(c, w)
     device = min(alive, on_device)
     host = min(alive - device, on_host)
     return {"device": device / alive, "host": host / alive, "nvme": (alive - device - host) / alive}
@@ -162,12 +180,16 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
     # pool has room beside the planned records, else the optimizer's tier
     grads = numel * GRAD_BYTES
     stored, bwd_reads, fwd_reads = _checkpoint_counts(w, stage)
-    ckpt_tiers = _checkpoint_tiers(w, st, hw, stored)
-    planned = ckpt_tiers.get("host", 0) * (stored // groups) * _buffers(w.checkpoint_bytes, w)
-    if w.activation_tier == "auto":
-        planned = (w.host_pool_bytes // 2) // w.host_buffer_bytes
-    room = (w.host_pool_bytes // w.host_buffer_bytes) * 7 // 8 - planned \
-        - 2 * _buffers(max(shares) * e, w)
+    alive = _alive(w, stage, stored)
+    pool = w.host_pool_bytes // w.host_buffer_bytes
+    staging = max(1, pool // 8)
+    host_tiers = _host_tier_buffers(w, shares, shared)
+    ckpt_tiers = _checkpoint_tiers(w, st, hw, alive, pool - host_tiers - staging)
+    host_ckpts = math.ceil(ckpt_tiers.get("host", 0) * alive) * _buffers(w.checkpoint_bytes, w)
+    # as training/offloaded_state.host_room: staging, the planned host records and, with
+    # the weights on the drive, two units' weights for the weights read next stay free
+    reserve = 0 if w.param_tier == "host" else 2 * _buffers(max(shares) * e, w)
+    room = pool - staging - host_tiers - host_ckpts - reserve
     grad_tier = "host" if w.optimizer_tier == "host" or \
         _buffers(f * grads, w) + _buffers(max(shares) * GRAD_BYTES, w) <= room else "nvme"
     bwd.add("grad", grad_tier, written=grads, read=(1 - f) * grads)
@@ -197,16 +219,21 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
         bwd.dp_bytes = ring * (groups * (full - turn * e - st.shared_params * e)
                                + (sum(st.unit_params) + st.shared_params) * GRAD_BYTES)
 
-    held = {"device": device_working_set(w, st), "host": w.host_pool_bytes, "nvme": 0}
+    held = {"device": device_working_set(w, st), "host": w.host_pool_bytes, "nvme": 0,
+            "host_buffers": host_tiers + host_ckpts}
     held["nvme"] += weights if w.param_tier == "nvme" else 0
     held["nvme"] += state + grads if w.optimizer_tier == "nvme" else 0
     if w.activation_tier in ("nvme", "auto"):   # auto: the profiled steps put all there
-        held["nvme"] += stored // groups * c
-    held["device"] += int(ckpt_tiers.get("device", 0) * stored // groups * c)
+        held["nvme"] += stored * c               # as the pre-flight counts them
+    held["device"] += int(ckpt_tiers.get("device", 0) * alive * c)
     return {"forward": fwd, "backward": bwd}, held
 
 
 # --- time -------------------------------------------------------------------------------
+def _gpus_on_a_node(w: Workload, hw: Hardware) -> int:
+    return min(hw.gpus_per_node, w.tp * w.pp * w.dp)
+
+
 def _bus(w: Workload, hw: Hardware, ranks: int) -> float:
     """Collective bandwidth of a group spanning ``ranks`` consecutive GPUs."""
     return hw.intra_node_Bps if ranks <= hw.gpus_per_node else hw.inter_node_Bps
@@ -214,7 +241,7 @@ def _bus(w: Workload, hw: Hardware, ranks: int) -> float:
 
 def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> dict:
     st = w.stages[stage]
-    share = hw.gpus_per_node    # the node's drives serve all its GPUs at once
+    share = _gpus_on_a_node(w, hw)   # the node's drives serve all its GPUs at once
     drive_r, drive_w = hw.drive_read_Bps / share, hw.drive_write_Bps / share
     # The backward sweep recomputes each unit and runs its backward (twice a forward); the
     # last stage's forward sweep stops before its last unit, which turns in place.
@@ -251,7 +278,7 @@ def _read_ahead(w: Workload, hw: Hardware, sweeps: dict, traffic: dict) -> None:
     fwd, bwd = sweeps["forward"], sweeps["backward"]
     slack = max(r for k, r in bwd.items() if k in RESOURCES) - bwd["drive"]
     read = traffic["forward"].by_kind.get("optim", {}).get("nvme", [0, 0])[0]
-    drive_r = hw.drive_read_Bps / hw.gpus_per_node
+    drive_r = hw.drive_read_Bps / _gpus_on_a_node(w, hw)
     moved = int(min(read, slack * drive_r))
     if moved <= 0:
         return
@@ -286,16 +313,24 @@ def check_fits(w: Workload, hw: Hardware, cost: StageCost) -> None:
             f"inputs kept there), the device has {hw.device_memory / 2**30:.1f} GiB: raise "
             "--tensor-model-parallel-size or lower --snake-checkpoint-interval or "
             "--micro-batch-size")
-    node_drive = need["nvme"] * hw.gpus_per_node
+    gpus = _gpus_on_a_node(w, hw)
+    pool = w.host_pool_bytes // w.host_buffer_bytes
+    if need["host_buffers"] + 1 > pool:
+        raise DoesNotFit(
+            f"host memory: stage {cost.stage}'s host tiers need {need['host_buffers'] + 1} "
+            f"buffers of {w.host_buffer_bytes >> 20} MiB (with one for staging), "
+            f"--snake-host-memory-limit {w.host_pool_bytes / 2**30:.1f} GiB holds {pool}: "
+            "raise the limit or move a part to nvme")
+    node_drive = need["nvme"] * gpus
     if node_drive > hw.drive_capacity:
         raise DoesNotFit(
             f"drive: a node needs {node_drive / 1e12:.2f} TB ({need['nvme'] / 1e9:.1f} GB per "
             f"GPU), its drives hold {hw.drive_capacity / 1e12:.2f} TB: use more nodes or "
             "larger drives")
-    node_host = w.host_pool_bytes * hw.gpus_per_node
+    node_host = w.host_pool_bytes * gpus
     if node_host > hw.host_memory:
         raise DoesNotFit(
-            f"host memory: {hw.gpus_per_node} GPUs x --snake-host-memory-limit "
+            f"host memory: {gpus} GPUs x --snake-host-memory-limit "
             f"{w.host_pool_bytes / 2**30:.1f} GiB = {node_host / 2**30:.1f} GiB, the node has "
             f"{hw.host_memory / 2**30:.1f} GiB: lower --snake-host-memory-limit")
 
@@ -332,4 +367,4 @@ def predict(w: Workload, hw: Hardware, *, check: bool = True) -> Prediction:
         mfu=w.model_flops / (step * gpus * hw.device_peak_tflops * 1e12),
         bubble_s=step - slowest.time_s, stages=costs, slowest=slowest.stage,
         breakdown=breakdown, bytes=tiers, bytes_by_kind=by_kind,
-        drive_capacity_per_node=max(c.capacity["nvme"] for c in costs) * hw.gpus_per_node)
+        drive_capacity_per_node=max(c.capacity["nvme"] for c in costs) * _gpus_on_a_node(w, hw))

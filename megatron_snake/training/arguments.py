@@ -295,6 +295,9 @@ def _validate_auto(args, parser) -> None:
     if not (args.snake_auto or args.snake_dry_run):
         _fail(parser, "--snake-hardware", "is read by --snake-auto and --snake-dry-run; add "
               "one of them or drop the flag")
+    if args.snake_schedule != "vertical" or args.snake_activation_offload:
+        _fail(parser, "--snake-hardware", "the cost model plans the vertical schedule "
+              "without --snake-activation-offload; drop one of them")
     _check(parser, load_profile, args.snake_hardware, "--snake-hardware")
 
 

@@ -248,10 +248,10 @@ def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: 
 class HostRoom:
     """Host buffers a copy made only if there is room must leave free (TensorStore's
     ``spill``/``if_room``), besides ``planned``: the buffers the placement planned for the
-    host tiers, which the pool keeps for them until they are taken (``HostBufferPool.
-    reserved``). So records that can go to the drive instead never crowd out the drive's
-    staging or what was planned, and use what the planned records do not hold yet or any
-    more (the unit inputs freed unit by unit in the backward sweep)."""
+    host tiers, which the pool keeps for them whether they hold them now or not
+    (``HostBufferPool.reserved``: a buffer a planned record holds is not counted again). So
+    records that can go to the drive instead never crowd out the drive's staging or what
+    was planned."""
 
     planned: int   # host-tier weights and optimizer state, unit inputs planned on host
     spill: int     # gradients waiting for their update, optimizer state read ahead
@@ -261,16 +261,15 @@ class HostRoom:
 
 def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int) -> HostRoom:
     """``HostRoom`` from the placement: an eighth of the pool for staging, the host tiers
-    chosen and the unit inputs on the host (or the activation plan's budget under ``auto``,
-    plus one buffer per checkpoint for rounding) planned, and two of the largest unit's
-    weights reserved for the weights read next. With saved tensors offloaded to the host
+    chosen and the unit inputs on the host planned (under ``auto`` the activation plan
+    reserves its own when it is made), and two of the largest unit's weights reserved for
+    the weights read next. With saved tensors offloaded to the host
     (their size is known only while running) nothing spills to host memory."""
     staging = max(1, pool_buffers // 8)
     if args.snake_activation_offload and args.snake_activation_tier == "host":
         return HostRoom(0, pool_buffers, pool_buffers)
+    # (under auto, the activation plan adds its host checkpoints when it is made)
     planned = sum(n for _, n in on_host_tier(args, tiers, need))
-    if args.snake_activation_tier == "auto":   # the planner's budget (step.py), in bytes
-        planned += pool_buffers // 2 + checkpoints_per_step(args)
     reserve = 0 if tiers.params == "host" else 2 * need.largest_unit_weights
     return HostRoom(planned=planned, spill=staging + reserve, weights=staging)
 
