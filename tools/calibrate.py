@@ -30,13 +30,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
-from megatron_snake.planner import Hardware, layer_flops_per_token  # noqa: E402
+from megatron_snake.planner import Hardware  # noqa: E402
 from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # noqa: E402
 from megatron_snake.storage.safe_files import write_file_atomically  # noqa: E402
 from megatron_snake.training import calibration, distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
+from megatron_snake.training.workload import layer_flops_of  # noqa: E402
 from megatron_snake.training.offloaded_state import open_store  # noqa: E402
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
 
@@ -63,12 +64,7 @@ def device_rates(args, device, vocab: int) -> tuple[float, float, float]:
     micro-batch, a third of its forward + backward."""
     overhead = _layer_seconds(args, device, vocab, seq=1, micro_batch=1) / 3
     both = _layer_seconds(args, device, vocab, args.seq_length, args.micro_batch_size)
-    flops = layer_flops_per_token(
-        hidden=args.hidden_size, heads=args.num_attention_heads,
-        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-        query_groups=args.num_query_groups or args.num_attention_heads,
-        ffn=args.ffn_hidden_size, gated=args.swiglu, seq_length=args.seq_length,
-        tp=args.tensor_model_parallel_size) * args.micro_batch_size * args.seq_length
+    flops = layer_flops_of(args) * args.micro_batch_size * args.seq_length
     achieved = 3 * flops / max(both - 3 * overhead, both / 10) / 1e12
     peak = calibration.matmul_tflops(2048, args.params_dtype, device)
     return achieved, max(peak, achieved), overhead

@@ -9,6 +9,17 @@ from megatron_snake.training import preflight
 from megatron_snake.training.train_log import model_flops_per_iteration
 
 
+def layer_flops_of(args) -> float:
+    """Forward FLOPs of one decoder layer per token, on one tensor-parallel rank, for the
+    flags' shape."""
+    return layer_flops_per_token(
+        hidden=args.hidden_size, heads=args.num_attention_heads,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        query_groups=args.num_query_groups or args.num_attention_heads,
+        ffn=args.ffn_hidden_size, gated=args.swiglu, seq_length=args.seq_length,
+        tp=args.tensor_model_parallel_size)
+
+
 def workload_from_args(args, vocab_size: int) -> Workload:
     """The workload pretrain_gpt.py's validated ``args`` describe (``--snake-offload``)."""
     if not args.snake_offload:
@@ -23,11 +34,7 @@ def workload_from_args(args, vocab_size: int) -> Workload:
     tiers = preflight.estimate(args, vocab_size).tiers
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    per_token = layer_flops_per_token(
-        hidden=args.hidden_size, heads=args.num_attention_heads,
-        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-        query_groups=args.num_query_groups or args.num_attention_heads,
-        ffn=args.ffn_hidden_size, gated=args.swiglu, seq_length=args.seq_length, tp=tp)
+    per_token = layer_flops_of(args)
     tokens = args.micro_batch_size * args.seq_length
     head = 2 * args.hidden_size * vocab_size / tp * tokens     # the output layer
     layers = args.num_layers // pp
