@@ -70,8 +70,9 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "matplotlib"],
-        # tools/: plots of timelines and studies
-        "bench": ["matplotlib"],
+        # tools/: plots of timelines and studies, and ZeRO-Infinity to compare with
+        # (tools/install.sh --bench installs DeepSpeed against the torch that is here)
+        "bench": ["matplotlib", "deepspeed==0.19.8"],
         # GPU-only, optional; the local layer spec and the native engine are the defaults.
         "gpu": ["transformer-engine[pytorch]", "kvikio-cu12", "nvidia-dali-cuda120"],
     },

@@ -168,6 +168,25 @@ def test_time_is_monotone_in_every_bandwidth(workload):
     assert times[0] > 0
 
 
+def test_the_output_layer_runs_at_its_own_rate_in_the_last_stages_backward_sweep():
+    """head_tflops times the last stage's output layer (three passes a micro-batch, in the
+    backward sweep: the forward sweep stops before the last unit); absent, the layer rate."""
+    head = Stage(unit_params=(100_000_000,) * 4, unit_layers=(1,) * 4,
+                 unit_flops=(5e12,) * 4, head_flops=2e12)
+    w = _uniform(2, micro_batches=8, group_size=2)
+    w = Workload(**{**w.__dict__, "stages": (w.stages[0], head)})
+    hw = H100.with_(drive_read_Bps=1e15, drive_write_Bps=1e15, pcie_Bps=1e15,
+                    host_copy_Bps=1e15, cpu_adam_params_per_s=1e15)   # compute-bound
+    same = predict(w, hw.with_(head_tflops=hw.device_tflops), check=False)
+    assert predict(w, hw, check=False).step_time_s == same.step_time_s
+    slow = predict(w, hw.with_(head_tflops=hw.device_tflops / 4), check=False)
+    extra = 3 * 2e12 * 8 * (4 - 1) / (hw.device_tflops * 1e12)
+    fwd, bwd = (slow.stages[1].sweeps[s]["compute"] - same.stages[1].sweeps[s]["compute"]
+                for s in ("forward", "backward"))
+    assert fwd == 0 and bwd == pytest.approx(extra)
+    assert slow.stages[0].sweeps == same.stages[0].sweeps
+
+
 def _plan(*argv, check=True):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv],
                           capture_output=True, text=True, timeout=300)
@@ -194,6 +213,22 @@ def test_the_command_line_prints_one_json_object():
     assert 0 < out["mfu"] < 1
     text = _plan(*GPT7B, "--hardware", os.path.join(PROFILES, "h100_8x_gen5.json")).stdout
     assert "> step" in text and "tokens/s" in text
+
+
+def test_calibrate_writes_a_profile_the_planner_predicts_with(tmp_path):
+    """tools/calibrate.py on this machine: every rate measured and positive, the output
+    layer timed apart, and plan.py predicts the same model with the profile."""
+    out = tmp_path / "profile.json"
+    flags = [f for f in SMALL if f != "--snake-offload"] + ["--snake-offload-dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), *flags,
+                           "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hw = Hardware.load(str(out))
+    assert hw.head_tflops is not None and hw.head_tflops > 0 and hw.device_tflops > 0
+    assert hw.device_peak_tflops >= max(hw.device_tflops, hw.head_tflops)
+    assert "measured by tools/calibrate.py" in hw.source
+    pred = json.loads(_plan(*SMALL, "--hardware", str(out), "--json").stdout)
+    assert pred["step_time_s"] > 0
 
 
 def test_bad_input_gets_one_clear_error(tmp_path):

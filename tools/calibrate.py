@@ -5,11 +5,13 @@
 
 For the model shape the flags give it times one decoder layer's forward and backward on the
 compute device (a 3-layer model of that shape is built; the FLOP/s is Megatron's count over
-the time, forward + backward = 3 forwards), a dense matmul (the peak, for MFU), the drive
-through the store in --snake-offload-dir (the engine the run would use; medians of three
-256 MiB passes each way), copies onto the device and within host memory, the fused CPU
-AdamW, and with several ranks an all-reduce. Capacities are the machine's: device and host
-memory, the offload drive's size. The profile says where every figure came from.
+the time, forward + backward = 3 forwards), the output layer with its loss apart (the last
+layer's unit less a middle one: a softmax over the vocabulary runs at its own rate), a dense
+matmul (the peak, for MFU), the drive through the store in --snake-offload-dir (the engine
+the run would use; medians of three 256 MiB passes each way), copies onto the device and
+within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities
+are the machine's: device and host memory, the offload drive's size. The profile says where
+every figure came from.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ from megatron_snake.training import calibration, distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.model import build_gpt_model  # noqa: E402
-from megatron_snake.training.workload import layer_flops_of  # noqa: E402
+from megatron_snake.training.workload import (layer_flops_of,  # noqa: E402
+                                              output_layer_flops)
 from megatron_snake.training.offloaded_state import open_store  # noqa: E402
 from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
 
 
-def _layer_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> float:
-    """Forward + backward seconds of one decoder layer (the middle unit of a 3-layer model
-    of the flags' shape) on one micro-batch of ``micro_batch`` x ``seq`` tokens."""
+def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> tuple[float, float]:
+    """Forward + backward seconds of a decoder layer alone, and of the last layer with the
+    output layer and its loss (the middle and the last unit of a 3-layer model of the flags'
+    shape), on one micro-batch of ``micro_batch`` x ``seq`` tokens."""
     shape = argparse.Namespace(**{**vars(args), "num_layers": 3, "snake_checkpoint_interval": 1,
                                   "pipeline_model_parallel_size": 1, "seq_length": seq,
                                   "micro_batch_size": micro_batch,
@@ -55,19 +59,23 @@ def _layer_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> floa
     tokens = seq // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     hidden = torch.randn(tokens, micro_batch, args.hidden_size, device=device,
                          dtype=args.params_dtype, requires_grad=True)
-    return calibration.unit_seconds(units, 1, hidden, units.context(batch))[1]
+    ctx = units.context(batch)
+    return (calibration.unit_seconds(units, 1, hidden, ctx)[1],
+            calibration.unit_seconds(units, 2, hidden, ctx)[1])
 
 
-def device_rates(args, device, vocab: int) -> tuple[float, float, float]:
-    """(achieved TFLOP/s of one layer forward + backward beside the fixed cost, dense matmul
-    TFLOP/s, the fixed seconds of one unit pass): the fixed cost is a pass of a one-token
-    micro-batch, a third of its forward + backward."""
-    overhead = _layer_seconds(args, device, vocab, seq=1, micro_batch=1) / 3
-    both = _layer_seconds(args, device, vocab, args.seq_length, args.micro_batch_size)
+def device_rates(args, device, vocab: int) -> dict:
+    """Achieved TFLOP/s of one layer's forward + backward beside the fixed cost, of the
+    output layer with its loss, dense matmul TFLOP/s, and the fixed seconds of one unit pass
+    (a pass of a one-token micro-batch, a third of its forward + backward)."""
+    overhead = _unit_seconds(args, device, vocab, seq=1, micro_batch=1)[0] / 3
+    layer, last = _unit_seconds(args, device, vocab, args.seq_length, args.micro_batch_size)
     flops = layer_flops_of(args) * args.micro_batch_size * args.seq_length
-    achieved = 3 * flops / max(both - 3 * overhead, both / 10) / 1e12
+    achieved = 3 * flops / max(layer - 3 * overhead, layer / 10) / 1e12
+    head = 3 * output_layer_flops(args, vocab) / max(last - layer, layer / 100) / 1e12
     peak = calibration.matmul_tflops(2048, args.params_dtype, device)
-    return achieved, max(peak, achieved), overhead
+    return {"device_tflops": achieved, "head_tflops": head,
+            "device_peak_tflops": max(peak, achieved, head), "unit_overhead_s": overhead}
 
 
 def memory_bytes(device) -> tuple[int, int]:
@@ -98,8 +106,8 @@ def main(argv=None) -> int:
     # as a run does (offloaded_state.open_store): freed unit-sized blocks go back to the OS,
     # so on the CPU each fresh activation page-faults, in the run and here alike
     return_freed_memory_to_the_os()
-    print("> timing one layer on the compute device ...", flush=True)
-    achieved, peak, overhead = device_rates(args, device, vocab)
+    print("> timing a layer and the output layer on the compute device ...", flush=True)
+    rates = device_rates(args, device, vocab)
     print("> the drive through the store, host copies, CPU AdamW ...", flush=True)
     with open_store(args, device, rank) as store:
         passes = [calibration.drive_rates(store) for _ in range(3)]
@@ -118,8 +126,7 @@ def main(argv=None) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     hw = Hardware(
         name=ours.name or socket.gethostname(), gpus_per_node=per_node,
-        device_tflops=achieved, device_peak_tflops=peak, unit_overhead_s=overhead,
-        device_memory=device_memory,
+        **rates, device_memory=device_memory,
         pcie_Bps=pcie, drive_read_Bps=drive_read, drive_write_Bps=drive_write,
         drive_capacity=capacity.f_blocks * capacity.f_frsize, host_memory=host_memory,
         host_copy_Bps=host_copy, cpu_adam_params_per_s=adam, intra_node_Bps=bus,

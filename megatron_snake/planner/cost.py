@@ -255,8 +255,11 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
         tp_s = 2 * passes * sum(st.unit_layers[:units]) * per * w.micro_batches
     drive_read, drive_written = t.tier("nvme")
     host_read, host_written = t.tier("host")
+    # the output layer runs with the last unit: in the backward sweep only on the last stage
+    head = passes * st.head_flops if units == len(st.unit_flops) else 0.0
     out = {
         "compute": flops * w.micro_batches / (hw.device_tflops * 1e12) + tp_s
+        + head * w.micro_batches / (hw.output_layer_tflops * 1e12)
         + passes * units * w.micro_batches * hw.unit_overhead_s,
         "copy": t.copy / hw.pcie_Bps,
         "host": (host_read + host_written) / hw.host_copy_Bps,

@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
+OPTIONAL_FIELDS = ("head_tflops", "source")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -34,6 +35,8 @@ class Hardware:
     cpu_adam_params_per_s: float  # the fused CPU AdamW, per GPU's share of the cores
     intra_node_Bps: float         # collective bus bandwidth between a node's GPUs
     inter_node_Bps: float         # per GPU, between nodes
+    head_tflops: float | None = None   # achieved on the output layer with its loss
+    #                                    (optional: device_tflops when not measured)
     source: str = ""              # how the figures were obtained
 
     def __post_init__(self):
@@ -42,6 +45,8 @@ class Hardware:
             if f.name in ("name", "source"):
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile: {f.name} must be a string")
+                continue
+            if f.name == "head_tflops" and value is None:
                 continue
             low_ok = f.name == "unit_overhead_s" and value == 0
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -60,7 +65,8 @@ class Hardware:
         if unknown:
             raise ValueError(f"{origin}: unknown field(s) {unknown}; the fields are "
                              f"{sorted(known)}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in d and f.name != "source")
+        missing = sorted(f.name for f in fields(cls)
+                         if f.name not in d and f.name not in OPTIONAL_FIELDS)
         if missing:
             raise ValueError(f"{origin}: missing field(s) {missing}")
         return cls(**d)
@@ -77,6 +83,10 @@ class Hardware:
         if not isinstance(d, dict):
             raise ValueError(f"{flag} {path}: expected a JSON object")
         return cls.from_dict(d, origin=f"{flag} {path}")
+
+    @property
+    def output_layer_tflops(self) -> float:
+        return self.head_tflops or self.device_tflops
 
     def to_dict(self) -> dict:
         return asdict(self)

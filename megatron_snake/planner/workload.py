@@ -31,6 +31,9 @@ class Stage:
     unit_layers: tuple[int, ...]
     unit_flops: tuple[float, ...]   # forward FLOPs of one micro-batch, per unit
     shared_params: int = 0          # a tied embedding read by the first and the last unit
+    head_flops: float = 0.0         # the last stage: its output layer's forward FLOPs of one
+    #                                 micro-batch (run with the last unit, timed apart: its
+    #                                 softmax and loss make its rate differ from a layer's)
 
     def __post_init__(self):
         if not (len(self.unit_params) == len(self.unit_layers) == len(self.unit_flops) > 0):

@@ -9,6 +9,13 @@ from megatron_snake.training import preflight
 from megatron_snake.training.train_log import model_flops_per_iteration
 
 
+def output_layer_flops(args, vocab_size: int) -> float:
+    """Forward FLOPs of the output layer on one micro-batch (one tensor-parallel rank's
+    share): its matmul, as Megatron counts it."""
+    tokens = args.micro_batch_size * args.seq_length
+    return 2 * args.hidden_size * vocab_size / args.tensor_model_parallel_size * tokens
+
+
 def layer_flops_of(args) -> float:
     """Forward FLOPs of one decoder layer per token, on one tensor-parallel rank, for the
     flags' shape."""
@@ -36,7 +43,7 @@ def workload_from_args(args, vocab_size: int) -> Workload:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     per_token = layer_flops_of(args)
     tokens = args.micro_batch_size * args.seq_length
-    head = 2 * args.hidden_size * vocab_size / tp * tokens     # the output layer
+    head = output_layer_flops(args, vocab_size)
     layers = args.num_layers // pp
     interval = args.snake_checkpoint_interval
     stages = []
@@ -44,9 +51,8 @@ def workload_from_args(args, vocab_size: int) -> Workload:
         counts = preflight.gpt_parameter_counts(args, vocab_size, pp_rank=stage)
         unit_layers = tuple(min(interval, layers - s) for s in range(0, layers, interval))
         flops = [n * per_token * tokens for n in unit_layers]
-        if stage == pp - 1:
-            flops[-1] += head
-        stages.append(Stage(tuple(counts.units), unit_layers, tuple(flops), counts.shared))
+        stages.append(Stage(tuple(counts.units), unit_layers, tuple(flops), counts.shared,
+                            head_flops=head if stage == pp - 1 else 0.0))
     elem = 4 if not (args.bf16 or args.fp16) else 2
     return Workload(
         stages=tuple(stages), tp=tp, dp=args.data_parallel_size,
