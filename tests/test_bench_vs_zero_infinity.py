@@ -45,13 +45,13 @@ def test_both_systems_train_the_same_model_batch_and_optimizer(tmp_path):
 def test_zero_infinity_gets_a_swap_buffer_for_each_large_parameter_and_the_runs_settings():
     a = _args("--aio", "262144,32")
     args = parse_args(tool.model_flags(a, 16))
-    large = tool.MiB // 4                     # 1 MiB of fp32
-    numels = [25_000_000, 2_000_000, large, large - 1, 100] + [3_000_000] * 6
+    large = tool.MiB // 4                     # 1 MiB of fp32: DeepSpeed keeps it resident
+    numels = [25_000_000, 2_000_000, large + 1, large, 100] + [3_000_000] * 6
     config = tool.ds_config(args, a, numels, "/nvme")
     zero = config["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
-    assert zero["offload_param"]["buffer_count"] == 9      # the parameters of >= 1 MiB
+    assert zero["offload_param"]["buffer_count"] == 9      # the parameters over 1 MiB
     assert zero["offload_param"]["buffer_size"] == 25_000_000
     assert config["gradient_accumulation_steps"] == 16
     assert config["train_micro_batch_size_per_gpu"] == args.micro_batch_size
@@ -70,9 +70,10 @@ def test_zero_infinity_gets_megatrons_weight_decay_groups():
     assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
 
 
-def test_a_bad_aio_setting_is_refused_by_name(capsys):
+@pytest.mark.parametrize("value", ["1MiB", "0,8", "1048576,-1", "1000,8"])
+def test_a_bad_aio_setting_is_refused_by_name(capsys, value):
     with pytest.raises(SystemExit):
-        tool.parser().parse_args(["--aio", "1MiB"])
+        tool.parser().parse_args(["--aio", value])
     assert "--aio takes BLOCK_BYTES,QUEUE_DEPTH" in capsys.readouterr().err
 
 

@@ -236,11 +236,22 @@ def test_a_read_issued_after_a_large_write_completes_before_it(tmp_path):
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
         small = torch.randn(BUF // 8)
         s.put("next unit", small, tier="nvme").wait()
+        # the write stays on the drive until the read is back (or 30 s, should the read
+        # wait behind it): the order no longer depends on how fast 4 MiB is written
+        written, write = threading.Event(), s._write_nvme
+
+        def held_write(e, *args, **kwargs):
+            if e.key == "gradient":
+                written.wait(timeout=30)
+            return write(e, *args, **kwargs)
+
+        s._write_nvme = held_write
         done = []
         big = s.put("gradient", torch.randn(64 * BUF // 4), tier="nvme")   # 64 buffers
         big._future.add_done_callback(lambda _: done.append("write"))
         read = s.get("next unit")
         assert torch.equal(read.wait(), small)
         done.append("read")
+        written.set()
         big.wait()
         assert done == ["read", "write"]

@@ -16,15 +16,16 @@ precision (fp32), AdamW hyper-parameters (no weight decay on biases and norms, M
 rule), constant learning rate and gradient clipping.
 
 Per system and M it records the median step time after ``--warmup`` steps (tokens/s), the
-peak RSS (the OS's, from ``wait4``), the bytes read and written per step (the child's
+peak RSS (the OS's VmHWM of the child), the bytes read and written per step (the child's
 ``/proc/<pid>/io``, read by this process at each step's end, so neither system counts
 itself), the losses, and the host memory each holds beside the drive (DeepSpeed's swap
 buffers; our host pool). The last line is **tokens/s ours / ZeRO-Infinity at the largest M**.
 
-DeepSpeed is an optional extra (``pip install deepspeed==0.19.8``, see docs/benchmarks.md).
-On first use it compiles two ops: ``cpu_adam`` (about 1.5 minutes on 2 cores) and
-``async_io`` (about 10 minutes); they are cached in ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``), so later runs start at once. Before the comparison the tool
+It runs on the CPU (DeepSpeed's CPU accelerator, ``--device cpu`` for both); the GPU
+comparison is the GPU issue's. DeepSpeed is an optional extra (``bash tools/install.sh
+--bench``). On first use it compiles two ops: ``cpu_adam`` (about 1 to 1.5 minutes on 2
+cores) and ``async_io`` (4 to 10 minutes); they are cached in ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), so later runs start at once. Before the comparison the tool
 picks DeepSpeed's aio block size and queue depth by timing its own aio handle on a file in
 ``--dir`` (``--aio`` skips that), as DeepSpeed's ``ds_nvme_tune`` does.
 """
@@ -113,13 +114,13 @@ def _report(kind: str, payload: dict) -> None:
 
 # --- ZeRO-Infinity ---------------------------------------------------------------------------
 def ds_config(args, a, numels: list[int], nvme_path: str) -> dict:
-    """ZeRO-3 with parameters and optimizer state on nvme. Parameters under 1 MiB stay
+    """ZeRO-3 with parameters and optimizer state on nvme. Parameters of up to 1 MiB stay
     resident (``stage3_param_persistence_threshold``); DeepSpeed swaps each larger one
     through a pinned buffer of its own (fewer buffers than such parameters fails at step 1:
     "Not enough buffers"), so the buffers are as many as those parameters and as large as
     the largest."""
     threshold = MiB // 4   # 1 MiB of fp32
-    swapped = [n for n in numels if n >= threshold]
+    swapped = [n for n in numels if n > threshold]   # DeepSpeed keeps numel <= it resident
     block, depth = a.aio
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
@@ -248,40 +249,54 @@ def _proc_io(pid: int) -> dict:
         return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
 
 
+def _proc_peak_rss(pid: int) -> int:
+    """The process's own peak resident memory since its exec (VmHWM). wait4's ru_maxrss is
+    not: exec records the peak of the address space it replaces, the launching parent's."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def measure(a, system: str, m: int) -> dict:
     """Train ``system`` in a child; its step times and losses from its reports, its bytes
-    from /proc/<pid>/io at each report, its peak RSS from wait4."""
+    (/proc/<pid>/io) and peak RSS (VmHWM) read at each report."""
     work = tempfile.mkdtemp(prefix=f"{system}_", dir=a.dir)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--work", work,
            "--m", str(m), "--initial", a.initial, *a.child_argv]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    steps, memory, tail, last_io = [], {}, [], None
-    for line in child.stdout:
-        if line.startswith("@@step "):
-            io = _proc_io(child.pid)
-            step = json.loads(line[7:])
-            if last_io is not None:
-                step["read_bytes"] = io["read_bytes"] - last_io["read_bytes"]
-                step["write_bytes"] = io["write_bytes"] - last_io["write_bytes"]
-            last_io = io
-            steps.append(step)
-            print(f"  {system:>13} M {m:>2} step {step['step']}: {step['seconds']:.2f} s, "
-                  f"loss {step['loss']:.4f}", flush=True)
-        elif line.startswith("@@memory "):
-            memory = json.loads(line[9:])
-            last_io = _proc_io(child.pid)    # after the build: steps count from here
-        else:
-            tail = (tail + [line.rstrip()])[-40:]
-    _, status, usage = os.wait4(child.pid, 0)
-    shutil.rmtree(work, ignore_errors=True)
-    if status != 0:
+    steps, memory, tail, last_io, reaped, peak = [], {}, [], None, False, 0
+    try:
+        for line in child.stdout:
+            if line.startswith("@@step "):
+                io = _proc_io(child.pid)
+                step = json.loads(line[7:])
+                if last_io is not None:
+                    step["read_bytes"] = io["read_bytes"] - last_io["read_bytes"]
+                    step["write_bytes"] = io["write_bytes"] - last_io["write_bytes"]
+                last_io = io
+                peak = max(peak, _proc_peak_rss(child.pid))
+                steps.append(step)
+                print(f"  {system:>13} M {m:>2} step {step['step']}: {step['seconds']:.2f} s, "
+                      f"loss {step['loss']:.4f}", flush=True)
+            elif line.startswith("@@memory "):
+                memory = json.loads(line[9:])
+                last_io = _proc_io(child.pid)    # after the build: steps count from here
+            else:
+                tail = (tail + [line.rstrip()])[-40:]
+        child.returncode, reaped = child.wait(), True
+    finally:   # a failed or interrupted run leaves no process and no offload files
+        if not reaped:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if child.returncode != 0:
         raise RuntimeError(f"{system} (M {m}) failed:\n" + "\n".join(tail))
     timed = steps[a.warmup:]
     tokens = a.micro_batch * m * a.seq
     median_s = statistics.median(s["seconds"] for s in timed)
     return {"system": system, "m": m, "steps": steps, "median_step_s": median_s,
-            "tokens_per_s": tokens / median_s, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "tokens_per_s": tokens / median_s, "peak_rss_bytes": peak,
             "read_bytes_per_step": statistics.median(s["read_bytes"] for s in timed),
             "write_bytes_per_step": statistics.median(s["write_bytes"] for s in timed),
             "losses": [s["loss"] for s in steps], "memory": memory}
@@ -308,11 +323,13 @@ def tune_aio(directory: str, nbytes: int = 256 * MiB) -> tuple[list, list]:
                 middle = time.perf_counter()
                 handle.sync_pread(back, path)
                 times[(block, depth)].append((middle - start, time.perf_counter() - middle))
+                if not torch.equal(data, back):
+                    raise RuntimeError(f"DeepSpeed's aio (block {block}, queue depth {depth}) "
+                                       "read back different bytes")
+                back.zero_()
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    if not torch.equal(data, back):
-        raise RuntimeError("DeepSpeed's aio read back different bytes")
     rows = [{"block_size": b, "queue_depth": d,
              "write_GBps": nbytes / statistics.median(w for w, _ in t) / 1e9,
              "read_GBps": nbytes / statistics.median(r for _, r in t) / 1e9}
@@ -326,8 +343,10 @@ def _aio(text: str) -> list[int]:
     try:
         block, depth = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError("--aio takes BLOCK_BYTES,QUEUE_DEPTH, e.g. "
-                                         "1048576,8") from None
+        block = depth = 0
+    if block <= 0 or depth <= 0 or block % 4096:
+        raise argparse.ArgumentTypeError("--aio takes BLOCK_BYTES,QUEUE_DEPTH, positive, the "
+                                         "block a multiple of 4096, e.g. 1048576,8")
     return [block, depth]
 
 
@@ -361,6 +380,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def _child_argv(a) -> list[str]:
     """The flags a child needs to train the same run."""
     out = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.heads),
@@ -387,30 +411,36 @@ def main(argv=None) -> int:
                  "apt-get install libaio-dev")
     if a.steps < 1 or a.warmup < 0 or a.rounds < 1:
         sys.exit("--steps and --rounds must be >= 1 and --warmup >= 0")
+    made_dir = a.dir is None
     a.dir = a.dir or tempfile.mkdtemp(prefix="bench_zi_")
     os.makedirs(a.dir, exist_ok=True)
     from megatron_snake.training.arguments import parse_args
     for m in a.micro_batches:   # a bad flag fails here, not after the first runs
         parse_args(ours_flags(a, m, a.dir))
-    print("> DeepSpeed's ops compile on first use (cpu_adam ~1.5 min, async_io ~10 min on "
+    print("> DeepSpeed's ops compile on first use (cpu_adam 1-1.5 min, async_io 4-10 min on "
           "2 cores), then load from $TORCH_EXTENSIONS_DIR", flush=True)
-    tuning = None
-    if a.aio is None:
-        a.aio, tuning = tune_aio(a.dir)
-        print(f"> DeepSpeed aio: block {a.aio[0]}, queue depth {a.aio[1]} (fastest of "
-              f"{len(tuning)} candidates on {a.dir})", flush=True)
-    a.child_argv = _child_argv(a)
+    report = {"machine": {"cpus": os.cpu_count(), "dir": a.dir}, "args": None,
+              "aio_tuning": None, "summary": None, "runs": []}
+    runs = report["runs"]
     a.initial = tempfile.mkdtemp(prefix="initial_weights_", dir=a.dir)
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "initial", "--work",
-                    a.initial, *a.child_argv], check=True, stdout=subprocess.DEVNULL)
-    runs = []
     try:
+        if a.aio is None:
+            a.aio, report["aio_tuning"] = tune_aio(a.dir)
+            print(f"> DeepSpeed aio: block {a.aio[0]}, queue depth {a.aio[1]} (fastest of "
+                  f"{len(report['aio_tuning'])} candidates on {a.dir})", flush=True)
+        a.child_argv = _child_argv(a)
+        report["args"] = {k: v for k, v in vars(a).items() if k not in ("child_argv", "initial")}
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "initial",
+                        "--work", a.initial, *a.child_argv], check=True,
+                        stdout=subprocess.DEVNULL)
         for m in a.micro_batches:
-            for r in range(a.rounds):
-                order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
-                runs += [measure(a, system, m) for system in order]
+            for _ in range(a.rounds):   # who goes first alternates over the whole run
+                order = SYSTEMS if len(runs) % 4 == 0 else SYSTEMS[::-1]
+                for system in order:
+                    runs.append(measure(a, system, m))
+                    _write_json(a.json_out, report)   # a later failure keeps these
     finally:
-        shutil.rmtree(a.initial, ignore_errors=True)
+        shutil.rmtree(a.dir if made_dir else a.initial, ignore_errors=True)
     summary = []
     for m in a.micro_batches:
         row = {"m": m}
@@ -434,11 +464,8 @@ def main(argv=None) -> int:
               f"peak RSS GiB {z['peak_rss_bytes'] / 2**30:.2f} vs "
               f"{o['peak_rss_bytes'] / 2**30:.2f}; first losses {z['first_losses']} vs "
               f"{o['first_losses']}", flush=True)
-    report = {"machine": {"cpus": os.cpu_count(), "dir": a.dir},
-              "args": {k: v for k, v in vars(a).items() if k not in ("child_argv", "initial")},
-              "aio_tuning": tuning, "summary": summary, "runs": runs}
-    with open(a.json_out, "w") as f:
-        json.dump(report, f, indent=1)
+    report["summary"] = summary
+    _write_json(a.json_out, report)
     last = summary[-1]
     print(f"tokens/s ours / ZeRO-Infinity at M {last['m']}: {last['ratio']:.2f}")
     return 0

@@ -256,7 +256,7 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
     drive_read, drive_written = t.tier("nvme")
     host_read, host_written = t.tier("host")
     # the output layer runs with the last unit: in the backward sweep only on the last stage
-    head = passes * st.head_flops if units == len(st.unit_flops) else 0.0
+    head = passes * st.head_flops if sweep == "backward" and stage == w.pp - 1 else 0.0
     out = {
         "compute": flops * w.micro_batches / (hw.device_tflops * 1e12) + tp_s
         + head * w.micro_batches / (hw.output_layer_tflops * 1e12)

@@ -39,6 +39,8 @@ class Stage:
         if not (len(self.unit_params) == len(self.unit_layers) == len(self.unit_flops) > 0):
             raise ValueError("a stage needs one parameter count, layer count and FLOP count "
                              "per unit, and at least one unit")
+        if not self.head_flops >= 0 or self.head_flops == float("inf"):
+            raise ValueError(f"head_flops must be a finite number >= 0, got {self.head_flops}")
 
 
 @dataclass(frozen=True)
