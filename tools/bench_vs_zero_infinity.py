@@ -51,8 +51,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 MiB = 1 << 20
 SYSTEMS = ("zero_infinity", "ours")
-WORKERS = {"zero_infinity": "run_zero_infinity", "ours": "run_ours",
-           "initial": "save_initial_weights"}
+WORKERS = SYSTEMS + ("initial",)   # the children this script starts
 # DeepSpeed's documented aio default first, then the queue depth and block size its
 # tutorials also use. Not 4 MiB blocks: with them 0.19.8 fails at step 2 ("param N already
 # assigned swap buffer id M") on this benchmark's smaller shapes.
@@ -169,6 +168,7 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()))
     import deepspeed
+    from megatron_snake.schedule.loss import masked_loss_sum
     args, device, vocab = _start(model_flags(a, m))
     # sizes for the swap buffers from a model built on the meta device (no memory)
     with torch.device("meta"):
@@ -185,7 +185,7 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
     # before DeepSpeed copies them into its optimizer's master weights
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-            p.data.copy_(torch.load(os.path.join(a.initial, name + ".pt")))
+            p.data.copy_(torch.load(os.path.join(a.initial, name + ".pt"), weights_only=True))
     if model.share_embeddings_and_output_weights:
         # the output layer reads the embedding's weight outside the embedding's forward
         deepspeed.zero.register_external_parameter(model,
@@ -205,8 +205,8 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
         for mb in mbs:
             per_token = engine(mb["tokens"], mb["position_ids"], mb["attention_mask"],
                                labels=mb["labels"])
-            mask = mb["loss_mask"].float()
-            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+            loss, tokens = masked_loss_sum(per_token, mb["loss_mask"])
+            loss = loss / tokens.clamp(min=1)      # Megatron's per-micro-batch mean
             engine.backward(loss)
             engine.step()       # DeepSpeed steps at the accumulation boundary only
             losses.append(loss.item())
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         save_initial_weights(a, a.work)
         return 0
     if a.worker:
-        globals()[WORKERS[a.worker]](a, a.m, a.work)
+        (run_ours if a.worker == "ours" else run_zero_infinity)(a, a.m, a.work)
         return 0
     try:
         import deepspeed  # noqa: F401

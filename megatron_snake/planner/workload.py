@@ -6,6 +6,7 @@ flags.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TIERS = ("device", "host", "nvme")
@@ -39,7 +40,7 @@ class Stage:
         if not (len(self.unit_params) == len(self.unit_layers) == len(self.unit_flops) > 0):
             raise ValueError("a stage needs one parameter count, layer count and FLOP count "
                              "per unit, and at least one unit")
-        if not self.head_flops >= 0 or self.head_flops == float("inf"):
+        if not (math.isfinite(self.head_flops) and self.head_flops >= 0):
             raise ValueError(f"head_flops must be a finite number >= 0, got {self.head_flops}")
 
 
