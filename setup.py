@@ -69,7 +69,13 @@ setup(
         "packaging",
     ],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # --tensorboard-dir and --wandb-project (Megatron-LM's experiment tracking)
+        "tracking": ["tensorboard", "wandb"],
+        # --tokenizer-type GPT2BPETokenizer / HuggingFaceTokenizer / SentencePieceTokenizer
+        # (none of them requires torch, so pip leaves the installed torch alone)
+        "tokenizers": ["tokenizers", "sentencepiece", "transformers"],
+        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tensorboard", "wandb",
+                "tokenizers", "sentencepiece", "transformers"],
         # tools/: plots of timelines and studies, and ZeRO-Infinity to compare with
         # (tools/install.sh --bench installs DeepSpeed against the torch that is here)
         "bench": ["matplotlib", "deepspeed==0.19.8"],

@@ -110,7 +110,7 @@ BIG = ["--num-layers", "64", "--hidden-size", "512", "--num-attention-heads", "8
        "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
        "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "2",
        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--deterministic-mode",
-       "--device", "cpu", "--eval-interval", "1000", "--lr", "1e-4"]
+       "--device", "cpu", "--eval-interval", "1000", "--lr", "1e-4", "--log-interval", "1"]
 FP32_STATE_BYTES_PER_PARAMETER = 4 + 4 + 4 + 8   # weights, gradient, master weights, moments
 
 

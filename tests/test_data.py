@@ -12,12 +12,15 @@ import sys
 import pytest
 import torch
 
+from conftest import expect_flag_error
+from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.data import (
     build_gpt_datasets,
     micro_batches,
     num_samples_for,
     parse_data_path,
 )
+from megatron_snake.training.loop import pretrain
 from megatron_snake.training.tokenizer import (
     ByteTokenizer,
     NullTokenizer,
@@ -133,8 +136,8 @@ def test_null_tokenizer_matches_megatron():
 
 def test_unknown_tokenizer_type():
     with pytest.raises(ValueError, match="--tokenizer-type") as err:
-        build_tokenizer("GPT2BPETokenizer", None)
-    assert "ByteTokenizer" in str(err.value) and "NullTokenizer" in str(err.value)
+        build_tokenizer("GPT3Tokenizer", None)
+    assert "ByteTokenizer" in str(err.value) and "GPT2BPETokenizer" in str(err.value)
 
 
 def _megatron_padding(orig, divisible_by, tp):
@@ -418,3 +421,174 @@ def test_bad_split(corpus):
         _build(corpus, split="99.5,0,0.5")
     train, valid, test = _build(corpus, split="100,0,0", num_samples=(16, 0, 0))
     assert len(train) >= 16 and valid is None and test is None
+
+
+# ------------------------------------- per-split paths, --eod-mask-loss, --num-workers (flags)
+
+# a tiny GPT for the end-to-end runs below (pretrain_gpt's flags)
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "3e-3", "--seed", "5", "--device", "cpu"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _one_letter_corpus(tmp_path, name, letter, n=40):
+    """Documents made of one letter only, so a batch shows which file it came from."""
+    src = tmp_path / f"{name}.txt"
+    src.write_text("".join(f"{letter * (3 + i % 5)} {letter * (1 + i % 3)}\n"
+                           for i in range(n)), "utf-8")
+    return _load_preprocess().main(["--input", str(src), "--output-prefix",
+                                    str(tmp_path / name), "--append-eod"])["text"]
+
+
+def _record_batches(monkeypatch):
+    """Every micro-batch the trainer reads, with whether it was read for training (grad on)
+    or for evaluation (under no_grad)."""
+    from megatron_snake.training import loop
+
+    seen, real = [], loop.micro_batches
+
+    def recording(*args, **kwargs):
+        for batch in real(*args, **kwargs):
+            seen.append((torch.is_grad_enabled(), batch))
+            yield batch
+
+    monkeypatch.setattr(loop, "micro_batches", recording)
+    return seen
+
+
+def _byte_set(batches):
+    return set(torch.cat([b["tokens"].flatten() for b in batches]).tolist())
+
+
+def test_per_split_paths_build_from_their_own_files(tmp_path):
+    a = _one_letter_corpus(tmp_path, "a", "a")
+    z = _one_letter_corpus(tmp_path, "z", "z")
+    cache = str(tmp_path / "cache")
+    train, valid, test = build_gpt_datasets(
+        mock=False, data_path=None, split=None, seq_length=16, seed=1, tokenizer=ByteTokenizer(),
+        num_samples=(32, 8, 8), data_cache_path=cache, train_data_path=[a],
+        valid_data_path=["0.5", z, "0.5", a])
+    assert test is None  # no --test-data-path: no test split
+    eod, space = 256, ord(" ")
+    assert {int(train[i]["tokens"].max()) for i in range(len(train))} <= {ord("a"), eod}
+    assert _byte_set([train[i] for i in range(32)]) == {ord("a"), space, eod}
+    # the valid blend takes both files, each whole
+    assert _byte_set([valid[i] for i in range(8)]) == {ord("a"), ord("z"), space, eod}
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        build_gpt_datasets(mock=False, data_path=[a], split="1,0,0", seq_length=16, seed=1,
+                           tokenizer=ByteTokenizer(), num_samples=(8, 0, 0),
+                           data_cache_path=cache, train_data_path=[a])
+
+
+def test_separate_train_and_valid_paths_train_and_evaluate_from_their_files(
+        megatron_world, tmp_path, monkeypatch):
+    a = _one_letter_corpus(tmp_path, "a", "a")
+    z = _one_letter_corpus(tmp_path, "z", "z")
+    seen = _record_batches(monkeypatch)
+    losses = pretrain(parse_args([*TINY, "--train-iters", "4", "--eval-interval", "2",
+                                  "--eval-iters", "1", "--train-data-path", a,
+                                  "--valid-data-path", z, "--data-cache-path",
+                                  str(tmp_path / "cache")]))
+    assert len(losses) == 4
+    trained = [b for grad, b in seen if grad]
+    evaluated = [b for grad, b in seen if not grad]
+    assert len(trained) == 4 * 2 and len(evaluated) == 2 * 2  # 2 micro-batches a step
+    assert _byte_set(trained) == {ord("a"), ord(" "), 256}
+    assert _byte_set(evaluated) == {ord("z"), ord(" "), 256}
+
+
+def test_default_split_with_a_small_corpus_keeps_its_message(megatron_world, corpus):
+    # 60 documents: the default --split 969,30,1 leaves the test split without one
+    with pytest.raises(ValueError, match=r"--split 969, 30, 1 leaves the test split"):
+        pretrain(parse_args([*TINY, "--train-iters", "2", "--data-path", corpus["txt_prefix"],
+                             "--data-cache-path", corpus["cache"]]))
+
+
+def test_eod_mask_loss_zeroes_the_loss_mask_at_eod(megatron_world, corpus, monkeypatch):
+    flags = [*TINY, *NO_DROPOUT, "--train-iters", "3", "--deterministic-mode", "--data-path",
+             corpus["txt_prefix"], "--split", "100,0,0", "--data-cache-path", corpus["cache"]]
+    seen = _record_batches(monkeypatch)
+    plain = pretrain(parse_args(flags))
+    plain_batches = [b for _, b in seen]
+    seen.clear()
+    masked = pretrain(parse_args([*flags, "--eod-mask-loss"]))
+    masked_batches = [b for _, b in seen]
+    eod = 256
+    for p, m in zip(plain_batches, masked_batches, strict=True):
+        assert torch.equal(p["tokens"], m["tokens"])  # the same samples
+        assert torch.all(p["loss_mask"] == 1)
+        assert torch.equal(m["loss_mask"], (m["tokens"] != eod).float())
+    assert sum(int((b["tokens"] == eod).sum()) for b in masked_batches) > 3
+    assert masked != plain
+
+
+def test_num_workers_give_the_same_batches(corpus):
+    train = _build(corpus)[0]
+    for dp in (1, 2):
+        for rank in range(dp):
+            kwargs = dict(micro_batch_size=2, data_parallel_rank=rank, data_parallel_size=dp,
+                          consumed_samples=6)
+            inline = micro_batches(train, num_workers=0, **kwargs)
+            workers = micro_batches(train, num_workers=2, **kwargs)
+            for _ in range(7):
+                a, b = next(inline), next(workers)
+                for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+                    assert torch.equal(a[key], b[key]), key
+    # and they run out at the same window, with the same message
+    for workers in (0, 2):
+        it = micro_batches(_IndexDataset(10), micro_batch_size=2, data_parallel_rank=1,
+                           data_parallel_size=2, consumed_samples=2, num_workers=workers)
+        assert [_ids(next(it)), _ids(next(it))] == [[4, 5], [8, 9]]
+        with pytest.raises(RuntimeError, match="consumed_samples=10 needs samples up to 14"):
+            next(it)
+
+
+def test_num_workers_keep_the_losses_and_the_resume(megatron_world, tmp_path):
+    """Dropout on: the workers must not draw from the global RNG (seeding them), or the
+    losses change with --num-workers and a resumed run differs from the straight one."""
+    flags = [*TINY, "--train-iters", "6", "--deterministic-mode", "--eval-interval", "2",
+             "--eval-iters", "1"]
+    inline = pretrain(parse_args([*flags, "--num-workers", "0"]))
+    workers = [*flags, "--num-workers", "2"]
+    assert pretrain(parse_args(workers)) == inline
+    pretrain(parse_args([*workers, "--exit-interval", "3", "--save", str(tmp_path)]))
+    assert pretrain(parse_args([*workers, "--load", str(tmp_path)])) == inline[3:]
+
+
+@pytest.mark.parametrize("flags,flag_named", [
+    (["--data-path", "x_text_document", "--train-data-path", "x_text_document"],
+     "--train-data-path"),
+    (["--mock-data", "--train-data-path", "x_text_document"], "--train-data-path"),
+    (["--mock-data", "--data-path", "x_text_document"], "--mock-data"),
+    (["--valid-data-path", "x_text_document"], "--valid-data-path"),
+    (["--test-data-path", "x_text_document"], "--test-data-path"),
+    (["--train-data-path", "x_text_document", "--split", "90,10,0"], "--split"),
+    (["--train-data-path"], "--train-data-path"),
+    (["--data-path"], "--data-path"),
+    (["--num-workers", "-1"], "--num-workers"),
+])
+def test_bad_data_flags_fail_naming_the_flag(capsys, flags, flag_named):
+    expect_flag_error(capsys, flags, flag_named)
+
+
+def test_per_split_path_errors_name_the_flag(corpus, tmp_path):
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    missing = str(tmp_path / "nothing_text_document")
+    kwargs = dict(mock=False, data_path=None, split=None, seq_length=16, seed=1,
+                  tokenizer=ByteTokenizer(), num_samples=(8, 8, 8),
+                  data_cache_path=corpus["cache"], train_data_path=[corpus["txt_prefix"]])
+    with pytest.raises(FileNotFoundError, match="--valid-data-path .*nothing_text_document.bin"):
+        build_gpt_datasets(**kwargs, valid_data_path=[missing])
+    with pytest.raises(FileNotFoundError, match="--test-data-path"):
+        build_gpt_datasets(**kwargs, test_data_path=["1", corpus["txt_prefix"], "1", missing])
+    empty = str(tmp_path / "empty_text_document")
+    IndexedDatasetBuilder(empty + ".bin", dtype=numpy.uint16).finalize(empty + ".idx")
+    # (an empty .bin cannot even be mapped: "cannot read"; unmapped: "holds no tokens")
+    with pytest.raises(ValueError, match="--valid-data-path .*empty_text_document: (cannot read|"
+                                         "the dataset holds no tokens)"):
+        build_gpt_datasets(**kwargs, valid_data_path=[empty])
+    with pytest.raises(ValueError, match="--valid-data-path .*the dataset holds no tokens"):
+        build_gpt_datasets(**kwargs, valid_data_path=[empty], mmap_bin_files=False)

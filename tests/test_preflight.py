@@ -15,6 +15,8 @@ import sys
 import textwrap
 
 import pytest
+
+from megatron_snake.storage.sizes import size
 import torch
 import torch.multiprocessing as mp
 
@@ -334,9 +336,9 @@ def test_small_drive_is_refused_before_the_model_with_the_shortfall(megatron_wor
             pretrain(args)
         message = str(exc.value)
         assert message.startswith(f"--snake-offload-dir {tiny}: the run needs "
-                                  f"{preflight._size(pf.drive_needed)} of drive space in all")
-        assert f"{preflight._size(free)} is free: free " \
-               f"{preflight._size(pf.drive_needed - free)} more" in message, message
+                                  f"{size(pf.drive_needed)} of drive space in all")
+        assert f"{size(free)} is free: free " \
+               f"{size(pf.drive_needed - free)} more" in message, message
         assert os.listdir(tiny) == [], "nothing made on the drive"
     finally:
         if mounted:

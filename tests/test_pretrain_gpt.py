@@ -303,6 +303,6 @@ def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_pa
     assert offloaded == plain
     line = [l for l in capfd.readouterr().out.splitlines() if "iteration        3/" in l][0]
     for part in ("unit inputs peak (last step) nvme", "saved tensors peak (last step) gpu",
-                 "prefetch wait (cumulative)",
+                 "prefetch wait (interval)",
                  "other io wait"):
         assert part in line, line

@@ -89,7 +89,8 @@ def test_save_and_load_hold_one_layout_at_a_time(megatron_world, tmp_path, monke
         raise AssertionError("the whole model or optimizer shard at once")
 
     monkeypatch.setattr(OffloadedUnits, "unit_state",
-                        lambda self, key: track("save", real_unit_state(self, key)))
+                        lambda self, key, optimizer=True: track(
+                            "save", real_unit_state(self, key, optimizer)))
     monkeypatch.setattr(checkpointing, "_read_unit",
                         lambda root, path, key: track("load", real_read(root, path, key)))
     monkeypatch.setattr(OffloadedUnits, "model_state_dict", whole)

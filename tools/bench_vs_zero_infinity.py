@@ -85,11 +85,12 @@ def _start(flags: list[str]):
     import torch
     from megatron_snake.training import distributed
     from megatron_snake.training.arguments import parse_args
-    from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron_snake.training.tokenizer import (build_tokenizer, padded_vocab_size,
+                                                   tokenizer_flags)
     args = parse_args(flags)
     device = torch.device("cpu")
     distributed.initialize(device=device, seed=args.seed)
-    vocab = padded_vocab_size(build_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size,
+    vocab = padded_vocab_size(build_tokenizer(**tokenizer_flags(args)).vocab_size,
                               args.make_vocab_size_divisible_by, 1)
     return args, device, vocab
 
@@ -97,10 +98,10 @@ def _start(flags: list[str]):
 def _batches(args, vocab_size: int):
     """The run's mock-data micro-batches, in the order pretrain_gpt reads them."""
     from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
-    from megatron_snake.training.tokenizer import build_tokenizer
+    from megatron_snake.training.tokenizer import build_tokenizer, tokenizer_flags
     train, _, _ = build_gpt_datasets(
         mock=True, data_path=None, split=args.split, seq_length=args.seq_length,
-        seed=args.seed, tokenizer=build_tokenizer(args.tokenizer_type, args.vocab_size),
+        seed=args.seed, tokenizer=build_tokenizer(**tokenizer_flags(args)),
         data_cache_path=None, num_samples=num_samples_for(args.train_iters,
                                                           args.global_batch_size, 0, 0))
     return micro_batches(train, micro_batch_size=args.micro_batch_size, data_parallel_rank=0,

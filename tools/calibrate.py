@@ -42,7 +42,8 @@ from megatron_snake.training.model import build_gpt_model  # noqa: E402
 from megatron_snake.training.workload import (layer_flops_of,  # noqa: E402
                                               output_layer_flops)
 from megatron_snake.training.offloaded_state import open_store  # noqa: E402
-from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: E402
+from megatron_snake.training.tokenizer import (  # noqa: E402
+    build_tokenizer, padded_vocab_size, tokenizer_flags)
 
 
 def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> tuple[float, float]:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                            tensor_model_parallel_size=args.tensor_model_parallel_size,
                            seed=args.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     # as a run does (offloaded_state.open_store): freed unit-sized blocks go back to the OS,

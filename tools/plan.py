@@ -38,10 +38,11 @@ def workload_for(flags: list[str], hardware: Hardware, nodes: int):
     """The workload of pretrain_gpt.py ``flags`` on ``nodes`` nodes."""
     from megatron_snake.training.workload import workload_from_args
     from megatron_snake.training.arguments import parse_args
-    from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
+    from megatron_snake.training.tokenizer import (build_tokenizer, padded_vocab_size,
+                                                   tokenizer_flags)
 
     args = parse_args(flags, world_size=nodes * hardware.gpus_per_node)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     return workload_from_args(args, vocab)

@@ -19,6 +19,10 @@ Example::
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --append-eod --workers 4
+
+The tokenizer flags are pretrain_gpt.py's (``--tokenizer-type`` and the files it reads,
+e.g. ``--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``);
+train with the same ones.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from megatron_snake.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_snake.training.tokenizer import (  # noqa: E402
+    add_tokenizer_args, build_tokenizer, tokenizer_flags)
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -48,10 +53,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="Keys to extract from each JSON line (JSON input only).")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", type=str, default="ByteTokenizer",
-                       help=f"One of: {', '.join(TOKENIZER_TYPES)}.")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help="Vocabulary size without eod (NullTokenizer only).")
+    add_tokenizer_args(group)
     group.add_argument("--append-eod", action="store_true",
                        help="Append the end-of-document token to every document.")
     group = parser.add_argument_group("output data")
@@ -73,8 +75,7 @@ class _Encoder:
     """Turns one input line into token ids per key; picklable for multiprocessing."""
 
     def __init__(self, args: argparse.Namespace):
-        self.tokenizer_type = args.tokenizer_type
-        self.vocab_size = args.vocab_size
+        self.tokenizer_flags = tokenizer_flags(args)
         self.json_keys = list(args.json_keys)
         self.append_eod = bool(args.append_eod)
         self.input = args.input
@@ -82,7 +83,7 @@ class _Encoder:
         self.tokenizer = None
 
     def initializer(self) -> None:
-        self.tokenizer = build_tokenizer(self.tokenizer_type, self.vocab_size)
+        self.tokenizer = build_tokenizer(**self.tokenizer_flags)
 
     def encode(self, item: Tuple[int, str]) -> Tuple[int, Dict[str, List[int]], int]:
         lineno, line = item
@@ -173,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_flags(args))
     keys = list(args.json_keys) if _is_json_input(args.input) else ["text"]
     if len(set(keys)) != len(keys):
         raise ValueError(f"--json-keys has duplicates: {keys}")

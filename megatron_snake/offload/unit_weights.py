@@ -246,14 +246,18 @@ class OffloadedUnits(UnitStore):
             handle.wait()
         return shard
 
-    def unit_state(self, key) -> dict:
+    def unit_state(self, key, optimizer: bool = True) -> dict:
         """Layout ``key``'s checkpoint entry, read from its tier: this rank's shard of its
         fp32 master weights and moments (``OffloadedAdamW.layout_state``) and, for a unit,
         of its working weights ("weights"; the shared weights are resident, in
         ``resident_state_dict``), with the layout's size, this rank's element range
         ("shard") and its parameters as [name, shape, offset, numel]."""
         lay = self._layout(key)
-        state = self.optimizer.layout_state(key)   # waits for the layout's update
+        if optimizer:
+            state = self.optimizer.layout_state(key)   # waits for the layout's update
+        else:
+            self.optimizer.finish_update(key)          # the weights saved are updated ones
+            state = {}
         if key != SHARED:
             state["weights"] = self._weight_shard(lay)
         start, end, _ = self.dp.shard(lay.numel)
@@ -262,9 +266,11 @@ class OffloadedUnits(UnitStore):
                                for seg in lay.segments])
         return state
 
-    def checkpoint_units(self) -> dict:
-        """{layout key: a function returning ``unit_state(key)``}: what a save streams."""
-        return {key: functools.partial(self.unit_state, key) for key in self.layout_keys()}
+    def checkpoint_units(self, optimizer: bool = True) -> dict:
+        """{layout key: a function returning ``unit_state(key)``}: what a save streams
+        (without the master weights and moments when ``optimizer`` is False)."""
+        return {key: functools.partial(self.unit_state, key, optimizer)
+                for key in self.layout_keys()}
 
     def check_saved_layouts(self, keys) -> None:
         """Refuse a checkpoint whose layouts are not this run's (another unit partition)."""

@@ -30,6 +30,11 @@ def gib(nbytes: float, digits: int = 2) -> str:
     return f"{nbytes / 2**30:.{digits}f} GiB"
 
 
+def size(nbytes: float) -> str:
+    """GiB from 1 GiB up, MiB below."""
+    return gib(nbytes) if nbytes >= 1 << 30 else mib(nbytes)
+
+
 def gb(nbytes: float) -> str:
     """Decimal gigabytes: what drive bandwidths and capacities are quoted in."""
     return f"{nbytes / 1e9:.2f} GB"

@@ -132,6 +132,14 @@ class Counters:
                 per_tier[0] += nread
                 per_tier[1] += nwritten
 
+    def snapshot(self) -> dict:
+        """The byte and wait totals now, copied: what a log interval subtracts."""
+        with self._lock:
+            return dict(read=dict(self.read), written=dict(self.written),
+                        blocked_s=self.blocked_s, prefetch_wait_s=self.prefetch_wait_s,
+                        by_kind={k: {t: list(rw) for t, rw in tiers.items()}
+                                 for k, tiers in self.by_kind.items()})
+
     def add_spilled(self):
         with self._lock:
             self.spilled += 1

@@ -29,9 +29,12 @@ from megatron_snake.storage.errors import OffloadError
 from megatron_snake.storage.host_pool import check_host_memory_limit
 from megatron_snake.storage.sizes import parse_size
 from megatron_snake.training.distributed import data_parallel_size
-from megatron_snake.training.tokenizer import build_tokenizer
+from megatron_snake.training.tokenizer import (add_tokenizer_args, build_tokenizer,
+                                                 tokenizer_flags)
+from megatron_snake.training.tracking import check_tracking_args
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
+DEFAULT_SPLIT = "969, 30, 1"  # --split with --data-path unless given (Megatron-LM's)
 # Flags of the offloaded state: their defaults apply with --snake-offload, and given
 # without it they are an error.
 OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
@@ -51,9 +54,11 @@ AT_LEAST_ONE = ("--micro-batch-size", "--global-batch-size", "--train-iters", "-
 AT_LEAST_ONE_IF_GIVEN = ("--exit-interval", "--save-interval", "--ffn-hidden-size",
                          "--kv-channels", "--max-position-embeddings", "--lr-decay-iters")
 AT_LEAST_ZERO = ("--eval-interval", "--eval-iters", "--lr-warmup-iters", "--lr", "--min-lr",
-                 "--lr-warmup-init", "--weight-decay", "--snake-activation-offload-min-bytes")
+                 "--lr-warmup-init", "--weight-decay", "--snake-activation-offload-min-bytes",
+                 "--num-workers")
 FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction")
-PATHS = ("--save", "--load", "--snake-offload-dir", "--snake-plan-json", "--data-cache-path")
+PATHS = ("--save", "--load", "--pretrained-checkpoint", "--snake-offload-dir", "--snake-plan-json", "--data-cache-path",
+         "--tensorboard-dir", "--wandb-save-dir")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (saving a checkpoint if --save is given) once the iteration "
                         "is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save (with --save), remove the "
+                        "offload files and exit with status 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop the same way once the run has lasted this long")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
@@ -142,9 +152,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hysteresis", type=int, default=2)
 
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="iterations per log line; its figures cover those iterations")
     g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars (Megatron-LM's names, plus snake/ bytes "
+                        "per tier, I/O wait and overlap) here; needs the tensorboard package")
+    g.add_argument("--wandb-project", default=None,
+                   help="log the same scalars to Weights & Biases (WANDB_MODE=offline works "
+                        "without a network); needs the wandb package")
+    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="wandb's local files; default <--save>/wandb, or ./wandb without "
+                        "--save")
+    g.add_argument("--profile", action="store_true",
+                   help="write a torch profiler trace of iterations --profile-step-start to "
+                        "--profile-step-end into --tensorboard-dir")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="iterations done before profiling starts (counted from 0)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iterations done when profiling stops")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="the global ranks that profile")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -152,20 +182,52 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                   help="how --save writes: torch (this project's format: one file per rank, "
+                        "and with --snake-offload one per unit, streamed) or torch_dist "
+                        "(Megatron-Core's distributed format: loads into another TP / PP / DP "
+                        "layout and into Megatron-LM; not yet with --snake-offload). --load "
+                        "reads either")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="save the weights without the optimizer state (load such a checkpoint "
+                        "with --no-load-optim or --finetune)")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the weights from --load: iteration, consumed samples, "
+                        "optimizer and RNG start afresh")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="a checkpoint directory loaded as with --finetune when --load has no "
+                        "checkpoint yet (or is not given)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, take this run's learning-rate schedule flags over the "
+                        "checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, keep the checkpoint's learning-rate schedule")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
-                   help="synthetic data (the default when --data-path is not given)")
+                   help="synthetic data (the default when no data path is given)")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="indexed dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...")
-    g.add_argument("--split", default="969, 30, 1")
+                   help="indexed dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...; "
+                        "split into train/valid/test by --split")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test proportions of --data-path's documents; default "
+                        f"'{DEFAULT_SPLIT}' with --data-path (Megatron-LM's legacy default)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"an independent {split} dataset, used whole (instead of "
+                            "--data-path and --split); same format as --data-path")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="mask the loss on end-of-document tokens")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="DataLoader worker processes reading batches ahead (0: read them "
+                        "in the training process)")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset index caches go (shared by all ranks); default "
                         "$MEGATRON_SNAKE_DATA_CACHE or ~/.cache/megatron_snake")
-    g.add_argument("--tokenizer-type", default="ByteTokenizer",
-                   choices=["ByteTokenizer", "NullTokenizer"])
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size for NullTokenizer / mock data")
+    add_tokenizer_args(g)
 
     g = p.add_argument_group("megatron_snake")
     g.add_argument("--snake-offload", action="store_true",
@@ -301,6 +363,34 @@ def _validate_auto(args, parser) -> None:
     _check(parser, load_profile, args.snake_hardware, "--snake-hardware")
 
 
+def _validate_data(args, parser) -> None:
+    """One data source, as Megatron-LM requires: --mock-data, --data-path (with --split),
+    or the per-split paths (each used whole, so no --split). Files are checked when the
+    datasets are built (data.parse_data_path), as for --data-path."""
+    per_split = {f"--{s}-data-path": getattr(args, f"{s}_data_path")
+                 for s in ("train", "valid", "test")}
+    given = [flag for flag, value in per_split.items() if value is not None]
+    for flag, value in [("--data-path", args.data_path), *per_split.items()]:
+        if value == []:  # nargs="*" with nothing after it
+            _fail(parser, flag, "is empty; give dataset prefixes, or drop the flag")
+    if given:
+        if args.data_path is not None or args.mock_data:
+            other = "--data-path" if args.data_path is not None else "--mock-data"
+            _fail(parser, given[0], f"cannot be combined with {other}; give one data source")
+        if args.train_data_path is None:
+            _fail(parser, given[0], "needs --train-data-path: the run trains on it")
+        if args.split is not None:
+            _fail(parser, "--split", f"applies to --data-path; {given[0]} is used whole "
+                  "(Megatron-LM refuses a split with per-split paths); drop --split")
+    elif args.data_path is not None:
+        if args.mock_data:
+            _fail(parser, "--mock-data", "cannot be combined with --data-path; give one "
+                  "data source")
+        if args.split is None:
+            args.split = DEFAULT_SPLIT
+    args.mock_data = not (args.data_path or given)
+
+
 def _validate_trace(args, parser) -> None:
     if args.snake_trace_iteration < 1:
         _fail(parser, "--snake-trace-iteration", "must be >= 1 (iterations of this run "
@@ -312,6 +402,50 @@ def _validate_trace(args, parser) -> None:
             not os.access(folder, os.W_OK):
         _fail(parser, "--snake-trace", f"{args.snake_trace!r} must name a file in an "
               "existing, writable directory (it is written at the traced iteration)")
+
+
+def _validate_loading(args, parser) -> None:
+    """--load, --pretrained-checkpoint and how much of a checkpoint is taken."""
+    if args.pretrained_checkpoint is not None:
+        if not os.path.isdir(args.pretrained_checkpoint):
+            _fail(parser, "--pretrained-checkpoint", f"directory {args.pretrained_checkpoint!r} "
+                  "does not exist; give the --save directory of an earlier run")
+    elif args.load is not None and not os.path.isdir(args.load):
+        # with --pretrained-checkpoint, --load may be the --save directory not made yet
+        _fail(parser, "--load", f"directory {args.load!r} does not exist; give the --save "
+              "directory of an earlier run, or drop --load to start from scratch")
+    if args.finetune and args.load is None and args.pretrained_checkpoint is None:
+        _fail(parser, "--finetune", "loads the weights of --load or --pretrained-checkpoint; "
+              "add one of them")
+    if args.ckpt_format == "torch_dist" and args.snake_offload:
+        _fail(parser, "--ckpt-format", "torch_dist is not written by --snake-offload runs yet "
+              "(their state is streamed unit by unit in the torch format); use "
+              "--ckpt-format torch")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail(parser, "--override-opt_param-scheduler", "and --use-checkpoint-opt_param-"
+              "scheduler ask for opposite schedules; drop one")
+
+
+def _validate_tracking(args, parser) -> None:
+    """TensorBoard, wandb, --profile and the early-exit clock."""
+    _check(parser, check_tracking_args, args)
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        _fail(parser, "--exit-duration-in-mins", f"must be > 0, got {args.exit_duration_in_mins}")
+    if not args.profile:
+        return
+    if not args.tensorboard_dir:
+        _fail(parser, "--profile", "writes its trace into --tensorboard-dir; add it")
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        _fail(parser, "--profile-step-end", f"{args.profile_step_end} must be larger than "
+              f"--profile-step-start {args.profile_step_start} (which must be >= 0)")
+    world = args.data_parallel_size * args.tensor_model_parallel_size * \
+        args.pipeline_model_parallel_size
+    if not all(0 <= r < world for r in args.profile_ranks):
+        _fail(parser, "--profile-ranks", f"{args.profile_ranks}: ranks are 0..{world - 1} in "
+              f"this world of {world}")
+    if args.profile_step_start >= args.train_iters:
+        _fail(parser, "--profile-step-start", f"{args.profile_step_start} iterations are never "
+              f"done before profiling in a run of --train-iters {args.train_iters}")
 
 
 def _fail(parser: argparse.ArgumentParser, flag: str, message: str):
@@ -459,6 +593,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               "--snake-offload or drop the flag")
     _validate_io_engine(args, parser)
     _validate_trace(args, parser)
+    _validate_tracking(args, parser)
     _validate_auto(args, parser)
     if args.snake_offload:
         _check(parser, check_alpha, args.snake_alpha)
@@ -491,16 +626,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"than --lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
     if args.min_lr > args.lr:
         _fail(parser, "--min-lr", f"{args.min_lr} is larger than --lr {args.lr}")
-    if args.load is not None and not os.path.isdir(args.load):
-        _fail(parser, "--load", f"directory {args.load!r} does not exist; give the --save "
-              "directory of an earlier run, or drop --load to start from scratch")
+    _validate_loading(args, parser)
     if args.save_interval is not None and args.save is None:
         _fail(parser, "--save-interval", "needs --save DIR")
-    if args.data_path:
-        args.mock_data = False
-    else:
-        args.mock_data = True
-    _check(parser, build_tokenizer, args.tokenizer_type, args.vocab_size)
+    _validate_data(args, parser)
+    _check(parser, lambda: build_tokenizer(**tokenizer_flags(args)))
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
     return args

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.module import Float16Module
 
@@ -74,6 +76,22 @@ class Run:
             self.optimizer.close()
 
 
+def whole_model_parameters(gpt: torch.nn.Module, device: torch.device) -> int:
+    """The model's parameter count summed over its tensor and pipeline shards: a weight
+    every tensor-parallel rank holds whole (a norm, a bias) counts once, and so does the
+    tied output weight the last stage keeps a copy of."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    first_stage = getattr(gpt, "pre_process", True)
+    mine = sum(p.numel() for p in gpt.parameters()
+               if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+               and not (getattr(p, "shared_embedding", False) and not first_stage))
+    total = torch.tensor([mine], dtype=torch.long, device=device)
+    group = parallel_state.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return int(total.item())
+
+
 def schedule_name(args: argparse.Namespace) -> str:
     pp = args.pipeline_model_parallel_size
     if not args.snake_offload:
@@ -100,7 +118,9 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
         gpt = build_gpt_model(args, vocab_size, device,
                               on_built=initial.spill if initial else None)
         n_params = sum(p.numel() for p in gpt.parameters())
-        log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters, device {device}, schedule "
+        log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters on this rank, "
+            f"{whole_model_parameters(gpt, device) / 1e6:.2f}M in the whole model, device "
+            f"{device}, schedule "
             f"{schedule_name(args)}, {args.num_microbatches} micro-batches of "
             f"{args.micro_batch_size} x {args.seq_length} tokens per step")
         if args.bf16 or args.fp16:

@@ -80,8 +80,11 @@ _READ_CHUNK = 64 << 20
 MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "seq_length", "position_embedding_type",
               "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
-              "bf16", "fp16")
+              "pipeline_model_parallel_size", "bf16", "fp16")
+# Not in the list: the micro-batch and global batch sizes, which may change on resume as in
+# Megatron-LM (the data goes on from the consumed samples; the learning-rate schedule,
+# counted in samples, then differs and Megatron's scheduler refuses it unless
+# --use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler says which to keep).
 # What the unpickler may construct beyond torch's own weights_only allowlist (tensors,
 # storages, dtypes, torch.Size, torch.device, OrderedDict) and plain values (dict, list,
 # tuple, str, bytes, int, float, bool, None). io.BytesIO: Transformer Engine layers
@@ -130,7 +133,7 @@ def _rank_dir_name(sharded: bool) -> str:
     return name
 
 
-def _iter_dir(root: str, iteration: int) -> str:
+def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
@@ -169,7 +172,7 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
     hold the rest. Each function is called after the state file is written, its result
     (tensors and plain JSON values, ``_write_unit``) written to ``unit_<key>.bin`` and
     dropped before the next is called: the save holds one layout at a time."""
-    final = _iter_dir(root, iteration)
+    final = iter_dir(root, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = args.snake_offload  # each data-parallel rank holds its own optimizer shard
@@ -193,9 +196,9 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
                       "schedule": args.snake_schedule,
                       "alpha": args.snake_alpha},
             "model": model_state,
-            "optimizer": optimizer_state,
+            "optimizer": None if args.no_save_optim else optimizer_state,
             "opt_param_scheduler": scheduler_state,
-            "rng_state": rng_state(),
+            "rng_state": None if args.no_save_rng else rng_state(),
             "units": list(units),   # the unit files of this rank, in the order written
         }
         rank_dir = os.path.join(tmp, _rank_dir_name(sharded))
@@ -458,10 +461,8 @@ def _unlink(path: str) -> None:
 
 
 # --- loading -----------------------------------------------------------------------------
-def load_checkpoint(root: str, *, args) -> dict:
-    """Read this rank's state from the latest checkpoint under ``root``, checked against
-    the flags of this run. The caller applies its "model", "optimizer",
-    "opt_param_scheduler" and "rng_state" entries."""
+def latest_iteration(root: str) -> int:
+    """The iteration ``root``'s tracker names."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         raise FileNotFoundError(
@@ -471,10 +472,19 @@ def load_checkpoint(root: str, *, args) -> dict:
     if not re.fullmatch(r"[0-9]+", text):
         raise ValueError(f"--load {root}: {tracker} holds {text!r}, not an iteration number "
                          f"(iterations {_iterations_here(root)})")
-    iteration = int(text)
+    return int(text)
+
+
+def load_checkpoint(root: str, *, args, optimizer: bool = True) -> dict:
+    """Read this rank's state from the latest checkpoint under ``root``, checked against
+    the flags of this run (``optimizer``: whether its optimizer state will be taken). The
+    caller applies its "model", "optimizer", "opt_param_scheduler" and "rng_state"
+    entries."""
+    iteration = latest_iteration(root)
     path = os.path.join(_rank_path(root, iteration, args), STATE_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--load {root}: checkpoint file {path} is missing")
+        raise FileNotFoundError(f"--load {root}: checkpoint file {path} is missing"
+                                + _saved_layout_differs(iter_dir(root, iteration), args))
     manifest = _read_checksum_file(root, path)
     with open(path, "rb") as f:
         _verify(root, path, f, manifest)
@@ -489,7 +499,10 @@ def load_checkpoint(root: str, *, args) -> dict:
         detail = ", ".join(f"--{k.replace('_', '-')} saved {a!r} now {b!r}"
                            for k, (a, b) in mismatched.items())
         raise ValueError(f"--load {root}: the checkpoint was saved with other settings: {detail}")
-    if not args.no_load_optim and state["snake"]["offload"] != args.snake_offload:
+    if optimizer and state["optimizer"] is None:
+        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
+                         "holds no optimizer state; pass --no-load-optim (or --finetune)")
+    if optimizer and state["snake"]["offload"] != args.snake_offload:
         raise ValueError(
             f"--load {root}: the optimizer state was saved "
             f"{'with' if state['snake']['offload'] else 'without'} --snake-offload; load it "
@@ -545,8 +558,37 @@ def full_model_state(root: str, state: dict, *, args) -> dict:
     return model
 
 
+def _saved_layout_differs(folder: str, args) -> str:
+    """Which parallel setting the rank directories under ``folder`` say the checkpoint was
+    saved with, where it differs from this run's (or "" when they agree)."""
+    saved = {"tensor-model-parallel-size": set(), "pipeline-model-parallel-size": set(),
+             "data-parallel shards": set()}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    for name in names:
+        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_dp(\d{3}))?", name)
+        if m:
+            for key, index in zip(saved, m.groups()):
+                saved[key].add(int(index or 0))
+    if not saved["tensor-model-parallel-size"]:
+        return ""
+    sharded = args.snake_offload and args.data_parallel_size > 1
+    here = {"tensor-model-parallel-size": args.tensor_model_parallel_size,
+            "pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+            "data-parallel shards": args.data_parallel_size if sharded else 1}
+    differ = [f"{key} {max(ranks) + 1} there, {here[key]} here" for key, ranks in saved.items()
+              if max(ranks) + 1 != here[key]]
+    if not differ:
+        return ""
+    return (f". The checkpoint was saved with another parallel layout: {'; '.join(differ)} "
+            "(data-parallel shards: an offloaded run with DP > 1 saves its optimizer state "
+            "sharded). Load it with the layout it was saved with")
+
+
 def _rank_path(root: str, iteration: int, args) -> str:
-    return os.path.join(_iter_dir(root, iteration), _rank_dir_name(args.snake_offload))
+    return os.path.join(iter_dir(root, iteration), _rank_dir_name(args.snake_offload))
 
 
 def _unit_path(root: str, rank_dir: str, key) -> str:
@@ -671,13 +713,26 @@ def _sha256(f) -> str:
     return digest.hexdigest()
 
 
-def _unpickle(root: str, path: str, f):
-    """torch.load with weights_only=True and exactly ``_SAFE_GLOBALS`` beyond torch's own
-    allowlist (the ones other libraries add process-wide are set aside meanwhile)."""
+@contextlib.contextmanager
+def only_safe_globals(allowed):
+    """torch.load(weights_only=True) allows torch's own types and exactly ``allowed``
+    meanwhile: what other libraries add process-wide (megatron.core adds some thirty
+    classes) is set aside and put back after."""
     others = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        with torch.serialization.safe_globals(list(_SAFE_GLOBALS)):
+        with torch.serialization.safe_globals(list(allowed)):
+            yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(others)
+
+
+def _unpickle(root: str, path: str, f):
+    """torch.load with weights_only=True and exactly ``_SAFE_GLOBALS`` beyond torch's own
+    allowlist."""
+    try:
+        with only_safe_globals(_SAFE_GLOBALS):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -693,9 +748,6 @@ def _unpickle(root: str, path: str, f):
             f"--load {root}: {path} matches its checksum but torch cannot read it ({exc}); "
             f"restore it from a copy or load an earlier iteration (iterations "
             f"{_iterations_here(root)})") from exc
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(others)
 
 
 def _iterations_here(root: str) -> str:

@@ -16,15 +16,29 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.data import DataLoader
 
 from megatron_snake.storage.safe_files import private_dir
 
 GPT_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+class _NoMockCacheNotice(logging.Filter):
+    """Mock data has no index worth caching: Megatron's "Unable to save MockGPTDataset
+    indexes" on every run is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to save MockGPTDataset indexes")
+
+
+_MOCK_CACHE_NOTICE = _NoMockCacheNotice()
 
 
 def _megatron_datasets():
@@ -35,6 +49,7 @@ def _megatron_datasets():
         from megatron.core.datasets import blended_megatron_dataset_builder as bmdb
         from megatron.core.datasets.blended_dataset import BlendedDataset
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    logging.getLogger(GPTDataset.__module__).addFilter(_MOCK_CACHE_NOTICE)  # added once
     return bmdb, BlendedDataset, GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 
@@ -51,31 +66,33 @@ def _is_number(s: str) -> bool:
         return False
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
+                    ) -> Tuple[List[str], Optional[List[float]]]:
     """Parse a Megatron-style ``--data-path`` list into (prefixes, weights or None).
 
     ``["prefix"]``, ``["prefixA", "prefixB"]`` (weights from the dataset sizes) or
     ``["0.3", "prefixA", "0.7", "prefixB"]``. A prefix may also be given with its ``.bin`` or
     ``.idx`` suffix. Each prefix must have both ``.bin`` and ``.idx`` files. Prefixes are
-    returned as absolute paths (Megatron hashes them into the index-cache key).
+    returned as absolute paths (Megatron hashes them into the index-cache key). ``flag``
+    names the flag in errors (``--train-data-path`` etc. follow the same rules).
     """
     if isinstance(data_path, str):
         data_path = data_path.split()
     items = [str(x) for x in data_path]
     if not items:
         raise ValueError(
-            "--data-path is empty (pass at least one dataset prefix, or use --mock-data)"
+            f"{flag} is empty (pass at least one dataset prefix, or use --mock-data)"
         )
     if len(items) % 2 == 0 and all(_is_number(items[i]) for i in range(0, len(items), 2)):
         weights = [float(items[i]) for i in range(0, len(items), 2)]
         prefixes = [items[i] for i in range(1, len(items), 2)]
         bad = [w for w in weights if not w > 0]
         if bad:
-            raise ValueError(f"--data-path weights must be positive, got {weights}")
+            raise ValueError(f"{flag} weights must be positive, got {weights}")
     elif any(_is_number(x) for x in items):
         raise ValueError(
-            f"--data-path {' '.join(items)!r}: expected either prefixes only or "
-            "'weight prefix' pairs, e.g. --data-path 0.3 dataA_text_document 0.7 "
+            f"{flag} {' '.join(items)!r}: expected either prefixes only or "
+            f"'weight prefix' pairs, e.g. {flag} 0.3 dataA_text_document 0.7 "
             "dataB_text_document"
         )
     else:
@@ -96,7 +113,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
                         " (tools/preprocess_data.py writes <output-prefix>_text_document.bin/.idx;"
                         " pass <output-prefix>_text_document)"
                     )
-                raise FileNotFoundError(f"--data-path {prefix}: missing file {path}{hint}")
+                raise FileNotFoundError(f"{flag} {prefix}: missing file {path}{hint}")
         resolved.append(os.path.abspath(prefix))
     return resolved, weights
 
@@ -140,11 +157,22 @@ def _parse_split(split: str) -> List[float]:
     return [p / total for p in parts]
 
 
+def _document_lengths(prefix: str, mmap_bin_files: bool, flag: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        # Copy: the array views the .idx mmap, which the dataset's __del__ closes.
+        indexed = IndexedDataset(prefix, mmap=mmap_bin_files)
+        lengths = indexed.sequence_lengths.copy()
+        del indexed
+    except Exception as err:  # a corrupt or foreign .idx
+        raise ValueError(f"{flag} {prefix}: cannot read the indexed dataset: {err}") from err
+    return lengths
+
+
 def _check_splits_nonempty(prefixes: Sequence[str], split: str, mmap_bin_files: bool) -> None:
     """Megatron's GPTDataset loops forever when a split it must build has no tokens
     (GPTDataset._get_num_epochs). Refuse such a configuration with a clear message."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     vector = _parse_split(split)
     bounds, acc = [], 0.0
     for w in vector:
@@ -152,15 +180,7 @@ def _check_splits_nonempty(prefixes: Sequence[str], split: str, mmap_bin_files: 
         acc += w
     names = ("train", "valid", "test")
     for prefix in prefixes:
-        try:
-            # Copy: the array views the .idx mmap, which the dataset's __del__ closes.
-            indexed = IndexedDataset(prefix, mmap=mmap_bin_files)
-            lengths = indexed.sequence_lengths.copy()
-            del indexed
-        except Exception as err:  # a corrupt or foreign .idx
-            raise ValueError(
-                f"--data-path {prefix}: cannot read the indexed dataset: {err}"
-            ) from err
+        lengths = _document_lengths(prefix, mmap_bin_files, "--data-path")
         n = len(lengths)
         for name, bound in zip(names, bounds):
             if bound is None:
@@ -173,6 +193,14 @@ def _check_splits_nonempty(prefixes: Sequence[str], split: str, mmap_bin_files: 
                     f"({end - beg} of its {n} documents). Use more documents, or give that "
                     "split weight 0 (e.g. --split 100,0,0)."
                 )
+
+
+def _check_nonempty(prefixes: Sequence[str], flag: str, mmap_bin_files: bool) -> None:
+    """A --train/valid/test-data-path dataset is used whole: it must hold a token (the same
+    endless loop as an empty --split part otherwise)."""
+    for prefix in prefixes:
+        if int(_document_lengths(prefix, mmap_bin_files, flag).sum()) == 0:
+            raise ValueError(f"{flag} {prefix}: the dataset holds no tokens")
 
 
 def num_samples_for(
@@ -230,6 +258,9 @@ def build_gpt_datasets(
     create_attention_mask: bool = True,
     data_cache_path: Optional[str] = None,
     mmap_bin_files: bool = True,
+    train_data_path: Optional[Sequence[str]] = None,
+    valid_data_path: Optional[Sequence[str]] = None,
+    test_data_path: Optional[Sequence[str]] = None,
 ):
     """Build the (train, valid, test) GPT datasets; a split with weight 0 gives None.
 
@@ -238,6 +269,9 @@ def build_gpt_datasets(
             ``split`` are ignored, Megatron forces split "1,1,1").
         data_path: ``--data-path`` (see :func:`parse_data_path`).
         split: ``--split``, e.g. "969,30,1".
+        train_data_path, valid_data_path, test_data_path: instead of ``data_path`` and
+            ``split``, Megatron's separate datasets per split (``blend_per_split``), each
+            used whole and written like ``data_path``; a split without one gives None.
         tokenizer: a tokenizer from :mod:`megatron_snake.training.tokenizer` (anything with
             ``vocab_size``, ``eod`` and ``unique_identifiers``).
         num_samples: the number of samples each split must provide (None: one epoch). The
@@ -264,15 +298,36 @@ def build_gpt_datasets(
             raise TypeError(f"tokenizer {tokenizer!r} lacks {tok_attr!r}")
 
     if mock:
-        blend = None
+        blend = blend_per_split = None
         path_to_cache = None
         cls = MockGPTDataset
     else:
-        if not data_path:
-            raise ValueError("--data-path is required unless --mock-data is set")
-        prefixes, weights = parse_data_path(data_path)
-        _check_splits_nonempty(prefixes, split, mmap_bin_files)
-        blend = (prefixes, weights)
+        per_split = (train_data_path, valid_data_path, test_data_path)
+        blend = blend_per_split = None
+        if any(p is not None for p in per_split):
+            if data_path:
+                raise ValueError("--data-path and --train-data-path/--valid-data-path/"
+                                 "--test-data-path are mutually exclusive; give one of them")
+            blend_per_split = [None if p is None else parse_data_path(p, flag)
+                               for p, flag in zip(per_split, PER_SPLIT_FLAGS)]
+            for b, flag, n in zip(blend_per_split, PER_SPLIT_FLAGS, num_samples):
+                if b is not None:
+                    _check_nonempty(b[0], flag, mmap_bin_files)
+                if b is not None and b[1] is not None and n is None:
+                    raise ValueError(f"{flag} with weights needs a sample count for its split")
+            split = None  # Megatron: split and blend_per_split are incompatible
+            prefixes = [p for b in blend_per_split if b is not None for p in b[0]]
+        else:
+            if not data_path:
+                raise ValueError("--data-path is required unless --mock-data is set")
+            prefixes, weights = parse_data_path(data_path)
+            _check_splits_nonempty(prefixes, split, mmap_bin_files)
+            blend = (prefixes, weights)
+            if weights is not None and any(n is None for n in num_samples):
+                raise ValueError(
+                    "--data-path with weights needs a sample count for every split "
+                    f"(num_samples={tuple(num_samples)})"
+                )
         cache_root = data_cache_path or default_data_cache_path()
         # Megatron reads its index caches back with numpy's pickle-enabled loader: the run
         # uses a cache directory only when it is a real one of this user's, mode 0700, so
@@ -281,16 +336,12 @@ def build_gpt_datasets(
         path_to_cache = os.path.join(cache_root, _data_fingerprint(prefixes))
         private_dir(path_to_cache, what="--data-cache-path entry")
         cls = GPTDataset
-        if weights is not None and any(n is None for n in num_samples):
-            raise ValueError(
-                "--data-path with weights needs a sample count for every split "
-                f"(num_samples={tuple(num_samples)})"
-            )
 
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=None if mock else split,
         path_to_cache=path_to_cache,
         mmap_bin_files=mmap_bin_files,
@@ -336,6 +387,7 @@ def micro_batches(
     data_parallel_rank: int,
     data_parallel_size: int,
     consumed_samples: int,
+    num_workers: int = 0,
 ) -> Iterator[Dict[str, Optional[torch.Tensor]]]:
     """Infinite, deterministic iterator of this rank's micro-batches.
 
@@ -344,6 +396,9 @@ def micro_batches(
     ``w = micro_batch_size * data_parallel_size``; rank r takes its ``r``-th slice of
     ``micro_batch_size`` samples. Resuming with ``consumed_samples`` = (micro-batches taken)
     * w continues exactly where a run stopped.
+
+    ``num_workers`` > 0 (``--num-workers``): a torch DataLoader whose worker processes read
+    and collate the same micro-batches ahead, in the same order.
 
     Raises RuntimeError (on the ``next()`` that needs it) when a window reaches past
     ``len(dataset)``: build the dataset with ``num_samples`` >= train_iters *
@@ -361,25 +416,42 @@ def micro_batches(
         )
     if consumed_samples < 0:
         raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-    return _micro_batch_generator(
-        dataset, micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples
-    )
+    if num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+    return _micro_batch_generator(dataset, micro_batch_size, data_parallel_rank,
+                                  data_parallel_size, consumed_samples, num_workers)
 
 
-def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed):
-    total = len(dataset)
+def _windows(total, mbs, dp_rank, dp_size, consumed):
+    """This rank's sample indices, one list per micro-batch, while the windows fit."""
     window = mbs * dp_size
-    while True:
-        if consumed + window > total:
-            raise RuntimeError(
-                f"data exhausted: the dataset has {total} samples, but the micro-batch window "
-                f"at consumed_samples={consumed} needs samples up to {consumed + window} "
-                f"(micro_batch_size {mbs} x data_parallel_size {dp_size}). Build the datasets "
-                "with num_samples >= train_iters * global_batch_size (num_samples_for())."
-            )
+    while consumed + window <= total:
         start = consumed + dp_rank * mbs
-        yield collate([dataset[i] for i in range(start, start + mbs)])
+        yield list(range(start, start + mbs))
         consumed += window
+
+
+def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers):
+    total, window = len(dataset), mbs * dp_size
+    indices = _windows(total, mbs, dp_rank, dp_size, consumed)
+    if num_workers:
+        # The index lists are the batch sampler, so the order and the resume point are the
+        # ones above (the DataLoader keeps its workers' batches in order). Its own generator:
+        # seeding the workers must not draw from the global RNG dropout uses.
+        batches = iter(DataLoader(
+            dataset, batch_sampler=indices, collate_fn=collate, num_workers=num_workers,
+            generator=torch.Generator()))
+    else:
+        batches = (collate([dataset[i] for i in idx]) for idx in indices)
+    for batch in batches:
+        yield batch
+        consumed += window
+    raise RuntimeError(
+        f"data exhausted: the dataset has {total} samples, but the micro-batch window "
+        f"at consumed_samples={consumed} needs samples up to {consumed + window} "
+        f"(micro_batch_size {mbs} x data_parallel_size {dp_size}). Build the datasets "
+        "with num_samples >= train_iters * global_batch_size (num_samples_for())."
+    )
 
 
 def random_microbatches(num: int, batch: int, seq: int, vocab: int, *, seed: int = 0,

@@ -6,6 +6,7 @@ run (``build.build_run``) and hands it to one ``Trainer``: train, evaluate, save
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,13 +16,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 import megatron_snake.timeline as timeline
+from megatron_snake.training import torch_dist
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.storage.safe_files import write_file_atomically
 from megatron_snake.training import (auto_config, checkpointing, distributed,
                                      offloaded_state, preflight)
 from megatron_snake.training.build import Run, build_run
+from megatron_snake.training.preemption import ExitConditions
+from megatron_snake.training.profiling import StepProfiler
+from megatron_snake.training.tracking import Trackers
 from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
-from megatron_snake.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron_snake.training.tokenizer import (build_tokenizer, padded_vocab_size,
+                                                 tokenizer_flags)
 from megatron_snake.training.train_log import TrainLog
 
 
@@ -47,6 +53,31 @@ def _lm_loss(losses, microbatches) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def _load_scheduler(scheduler, state: dict, root: str) -> None:
+    """Megatron's scheduler asserts when the checkpoint's schedule (counted in samples, so
+    it moves with --global-batch-size) is not this run's: say which flags decide."""
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as exc:
+        raise ValueError(
+            f"--load {root}: the checkpoint's learning-rate schedule is not this run's ({exc}; "
+            "a changed --global-batch-size, --lr or --lr-decay-iters does this). Pass "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's, or "
+            "--override-opt_param-scheduler to take this run's flags") from None
+
+
+def checkpoint_to_load(args) -> tuple[str | None, bool]:
+    """Megatron-LM's choice: ``--load`` when it holds a checkpoint, else
+    ``--pretrained-checkpoint`` as a fine-tuning start; and whether it is a fine-tuning
+    start (weights only)."""
+    if args.load and (args.pretrained_checkpoint is None or
+                      os.path.isfile(os.path.join(args.load, checkpointing.TRACKER))):
+        return args.load, args.finetune
+    if args.pretrained_checkpoint:
+        return args.pretrained_checkpoint, True
+    return None, False
+
+
 def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
     return [_to_device(next(iterator), device) for _ in range(count)]
 
@@ -68,24 +99,36 @@ class Trainer:
     """Megatron-LM's ``pretrain`` loop over one built ``Run``: train, evaluate, save,
     restore. The data comes in as datasets; everything it steps is the run's."""
 
-    def __init__(self, run: Run, log: TrainLog, train_ds, valid_ds=None):
+    def __init__(self, run: Run, log: TrainLog, train_ds, valid_ds=None, *,
+                 exit_conditions: ExitConditions | None = None,
+                 profiler: StepProfiler | None = None):
         self.run, self.args, self.log = run, run.args, log
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.iteration, self.consumed = 0, 0
+        self.store_meter = offloaded_state.StoreMeter(run.tensor_store)
+        self.exit_conditions, self.profiler = exit_conditions, profiler
 
     def _batches(self, dataset, consumed: int):
         return micro_batches(dataset, micro_batch_size=self.args.micro_batch_size,
                              data_parallel_rank=parallel_state.get_data_parallel_rank(),
                              data_parallel_size=parallel_state.get_data_parallel_world_size(),
-                             consumed_samples=consumed)
+                             consumed_samples=consumed, num_workers=self.args.num_workers)
 
     # --- checkpoints -------------------------------------------------------------------
     def save(self) -> None:
         run = self.run
+        if self.args.ckpt_format == "torch_dist":   # Megatron's format (run in memory)
+            torch_dist.save(self.args.save, iteration=self.iteration,
+                            consumed_samples=self.consumed, args=self.args, model=run.model,
+                            optimizer=run.optimizer, scheduler=run.scheduler)
+            self.log.print(f"> saved checkpoint (torch_dist) at iteration {self.iteration} "
+                           f"to {self.args.save}")
+            return
         gpt = unwrap_model(run.model)
         if run.offloaded:  # streamed: one layout's weights, master weights, moments at a time
             weights = run.offloaded.weights
-            model_state, units = weights.resident_state_dict(gpt), weights.checkpoint_units()
+            model_state = weights.resident_state_dict(gpt)
+            units = weights.checkpoint_units(optimizer=not self.args.no_save_optim)
             optimizer_state = run.optimizer.state_dict(layouts=False)
         else:
             model_state, units = gpt.state_dict(), None
@@ -98,11 +141,17 @@ class Trainer:
                                       units=units)
         self.log.print(f"> saved checkpoint at iteration {self.iteration} to {self.args.save}")
 
-    def restore(self, root: str) -> None:
-        """Load ``root``'s latest checkpoint into the run (``--no-load-optim`` and
-        ``--no-load-rng`` as in Megatron-LM) and continue from its iteration."""
+    def restore(self, root: str, *, finetune: bool = False) -> None:
+        """Load ``root``'s latest checkpoint into the run and continue from its iteration
+        (``--no-load-optim`` and ``--no-load-rng`` as in Megatron-LM); ``finetune``: the
+        weights only, from iteration 0."""
         args, run = self.args, self.run
-        state = checkpointing.load_checkpoint(root, args=args)
+        takes_optimizer = not (args.no_load_optim or finetune)
+        folder = checkpointing.iter_dir(root, checkpointing.latest_iteration(root))
+        if torch_dist.is_torch_dist(folder):
+            self._restore_torch_dist(folder, root, takes_optimizer, finetune)
+            return
+        state = checkpointing.load_checkpoint(root, args=args, optimizer=takes_optimizer)
         gpt = unwrap_model(run.model)
         if run.offloaded and state["units"]:  # streamed back, one layout at a time
             weights = run.offloaded.weights
@@ -110,24 +159,51 @@ class Trainer:
             weights.load_resident_state_dict(gpt, state["model"])
             checkpointing.load_units(
                 root, state, args=args, apply=lambda key, unit: weights.load_unit_state(
-                    key, unit, optimizer=not args.no_load_optim))
+                    key, unit, optimizer=takes_optimizer))
         elif run.offloaded:  # saved without --snake-offload (loaded with --no-load-optim)
             run.offloaded.weights.load_model_state_dict(gpt, state["model"])
         else:
             gpt.load_state_dict(checkpointing.full_model_state(root, state, args=args))
-        if not args.no_load_optim:
+        if takes_optimizer:
             run.optimizer.load_state_dict(state["optimizer"])
-            run.scheduler.load_state_dict(state["opt_param_scheduler"])
+            _load_scheduler(run.scheduler, state["opt_param_scheduler"], root)
         elif run.offloaded:
             # A fresh optimizer copied its master weights before the load: take the loaded
             # weights instead (what Megatron-LM does with --no-load-optim).
             run.offloaded.weights.reload_master_weights()
         else:
             run.optimizer.reload_model_params()
-        if not args.no_load_rng:
+        if not (args.no_load_rng or finetune):
+            if state["rng_state"] is None:
+                raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-rng; "
+                                 "pass --no-load-rng")
             checkpointing.set_rng_state(state["rng_state"])
+        if finetune:
+            self.log.print(f"> loaded the weights of {root} (iteration {state['iteration']}) "
+                           "to fine-tune from iteration 0")
+            return
         self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
         self.log.print(f"> loaded checkpoint from {root} at iteration {self.iteration}")
+
+    def _restore_torch_dist(self, folder: str, root: str, takes_optimizer: bool,
+                            finetune: bool) -> None:
+        args, run = self.args, self.run
+        if run.offloaded:
+            raise ValueError(f"--load {root}: {folder} is in Megatron's torch_dist format, "
+                             "which --snake-offload runs do not read yet; load it without "
+                             "--snake-offload")
+        loaded = torch_dist.load(folder, root=root, args=args, model=run.model,
+                                 optimizer=run.optimizer, takes_optimizer=takes_optimizer,
+                                 takes_rng=not (args.no_load_rng or finetune))
+        if takes_optimizer:
+            _load_scheduler(run.scheduler, loaded["opt_param_scheduler"], root)
+        for note in loaded["notes"]:
+            self.log.print(f"> {note}")
+        if not finetune:
+            self.iteration, self.consumed = loaded["iteration"], loaded["consumed_samples"]
+        self.log.print(f"> loaded checkpoint (torch_dist) from {root} at iteration "
+                       f"{loaded['iteration']}" + (" to fine-tune from iteration 0"
+                                                   if finetune else ""))
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -145,12 +221,13 @@ class Trainer:
         return total / max(args.eval_iters, 1)
 
     # --- training ----------------------------------------------------------------------
-    def _log_extra(self, activation_peak: dict) -> str:
-        """Store traffic (offloaded runs) and ZenFlow's fields, for the log line."""
-        parts = [offloaded_state.traffic(self.run.tensor_store, activation_peak)]
+    def _log_extra(self, activation_peak: dict) -> tuple[str, dict]:
+        """The interval's store traffic (offloaded runs) and ZenFlow's fields, for the log
+        line and the trackers."""
+        text, scalars = self.store_meter.interval(activation_peak)
         if self.args.snake_zenflow:
-            parts.append(self.run.optimizer.log_fields())
-        return " | ".join(p for p in parts if p)
+            text = " | ".join(p for p in (text, self.run.optimizer.log_fields()) if p)
+        return text, scalars
 
     def _write_trace(self, recorded: timeline.Timeline) -> None:
         """--snake-trace: this rank's timeline of the traced iteration (one file per rank
@@ -171,10 +248,17 @@ class Trainer:
         train_iter = self._batches(self.train_ds, consumed=self.consumed)
         run.model.train()
         history = []
+        self.log.print(f"> log lines every {args.log_interval} iteration(s) (--log-interval): "
+                       "each figure covers the iterations since the previous line unless "
+                       "its label says (cumulative), (now) or (last step); learning rate and "
+                       "loss scale are the line's iteration's")
         self.log.start_interval()
+        self.store_meter.start_interval()
         traced = min(self.iteration + args.snake_trace_iteration, args.train_iters) \
             if args.snake_trace else None
         while self.iteration < args.train_iters:
+            if self.profiler:
+                self.profiler.before_step(self.iteration)
             mbs = _next_microbatches(train_iter, args.num_microbatches, run.device)
             if self.iteration + 1 == traced:
                 with timeline.recording() as recorded:
@@ -193,19 +277,31 @@ class Trainer:
                           grad_norm=step.grad_norm,
                           loss_scale=run.optimizer.get_loss_scale().item(),
                           skipped=not step.update_successful,
-                          extra=self._log_extra(step.result.activation_peak))
+                          extra=lambda: self._log_extra(step.result.activation_peak))
+            if self.profiler and (trace := self.profiler.after_step(self.iteration)):
+                self.log.print(f"> --profile: trace written to {trace}")
             if self.valid_ds is not None and args.eval_interval and \
                     self.iteration % args.eval_interval == 0:
                 self.log.validation(self.iteration, self.evaluate())
-            exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
+            exiting = self._exit_reason()
             periodic = bool(args.save_interval) and self.iteration % args.save_interval == 0
             if args.save and (periodic or exiting or self.iteration == args.train_iters):
                 self.save()
             if exiting:
-                self.log.print(f"> exiting at iteration {self.iteration} "
-                               f"(--exit-interval {args.exit_interval})")
+                self.log.print(f"> exiting at iteration {self.iteration}: {exiting}"
+                               + ("" if args.save else " (no --save: nothing was saved)"))
                 break
+        if self.profiler and (trace := self.profiler.close(self.iteration)):
+            self.log.print(f"> --profile: trace written to {trace} (the run ended first)")
+        if run.tensor_store is not None:
+            self.log.print(self.store_meter.total())
         return history
+
+    def _exit_reason(self) -> str | None:
+        """Why training stops after this iteration, before --train-iters, or None."""
+        if self.args.exit_interval and self.iteration % self.args.exit_interval == 0:
+            return f"--exit-interval {self.args.exit_interval}"
+        return self.exit_conditions.check() if self.exit_conditions else None
 
 
 def pretrain(args: argparse.Namespace) -> list[float]:
@@ -217,22 +313,29 @@ def pretrain(args: argparse.Namespace) -> list[float]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(args.deterministic_mode or was_deterministic)
     try:
-        return _pretrain(args)
+        with contextlib.ExitStack() as closing:   # trackers, the SIGTERM handler
+            return _pretrain(args, closing)
     finally:  # a process that trains more than once (tests, notebooks) gets its mode back
         torch.use_deterministic_algorithms(was_deterministic)
 
 
-def _pretrain(args: argparse.Namespace) -> list[float]:
+def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[float]:
     device = distributed.resolve_device(args.device)
+    # Megatron-LM's --exit-duration-in-mins counts from the start, set-up included
+    exit_conditions = ExitConditions(signal_handler=args.exit_signal_handler,
+                                     duration_minutes=args.exit_duration_in_mins, device=device)
+    closing.callback(exit_conditions.close)
     distributed.initialize(device=device,
                            tensor_model_parallel_size=args.tensor_model_parallel_size,
                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                            seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     rank = dist.get_rank()
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
-    log = TrainLog(args, vocab, device, rank=rank)
+    trackers = Trackers(args, writes=rank == 0)
+    closing.callback(trackers.close)
+    log = TrainLog(args, vocab, device, rank=rank, trackers=trackers)
     if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
         auto_config.configure(args, vocab, log=log.print)
     if args.snake_offload:  # the bytes each tier needs, refused before the model is built
@@ -242,13 +345,17 @@ def _pretrain(args: argparse.Namespace) -> list[float]:
     with build_run(args, device, vocab, rank=rank, log=log.print) as run:
         train_ds, valid_ds, _ = build_gpt_datasets(
             mock=args.mock_data, data_path=args.data_path, split=args.split,
+            train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+            test_data_path=args.test_data_path, eod_mask_loss=args.eod_mask_loss,
             seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
             data_cache_path=args.data_cache_path,
             num_samples=num_samples_for(args.train_iters, args.global_batch_size,
                                         args.eval_interval, args.eval_iters))
-        trainer = Trainer(run, log, train_ds, valid_ds)
-        if args.load:
-            trainer.restore(args.load)
+        trainer = Trainer(run, log, train_ds, valid_ds, exit_conditions=exit_conditions,
+                          profiler=StepProfiler(args, device, rank) if args.profile else None)
+        source, finetune = checkpoint_to_load(args)
+        if source:
+            trainer.restore(source, finetune=finetune)
         try:
             return trainer.train()
         except RuntimeError as exc:

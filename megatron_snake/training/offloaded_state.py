@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,8 +17,9 @@ import torch
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_pool import return_freed_memory_to_the_os
-from megatron_snake.storage.sizes import mib
+from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import TensorStore
+from megatron_snake.storage.temp_dirs import make_temp_offload_dir, sweep_dead_temp_offload_dirs
 from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
@@ -56,7 +57,10 @@ def open_store(args, device: torch.device, rank: int):
         return
     # host memory stays bounded only if what a unit frees leaves the process
     return_freed_memory_to_the_os()
-    made = None if args.snake_offload_dir else tempfile.mkdtemp(prefix="megatron_snake_")
+    made = None
+    if not args.snake_offload_dir:   # what killed runs left in the temporary folder goes first
+        sweep_dead_temp_offload_dirs()
+        made = make_temp_offload_dir()
     try:
         root = made or offload_dir_for_rank(args.snake_offload_dir, rank)
         store, error = None, None
@@ -83,33 +87,72 @@ def offload_dir_for_rank(template: str, rank: int) -> str:
                          "fields are {node}, {hostname}, {rank} and {local_rank}") from None
 
 
-def traffic(store: TensorStore | None, activation_peak: dict | None = None) -> str:
-    """For the log line: bytes read/written per tier since the start (all state, then unit
-    checkpoints and saved tensors alone), the last step's peak activation bytes per tier
-    (``{"unit inputs": {tier: bytes}, "saved tensors": {...}}``), and the time callers
-    waited on the store: for prefetched reads that arrived late, and for everything else."""
-    if store is None:
-        return ""
-    c = store.counters
-    parts = [f"{tier} r/w (cumulative) {c.read[tier] / 2**20:.1f}/"
-             f"{mib(c.written[tier])}"
-             for tier in ("nvme", "host") if c.read[tier] or c.written[tier]]
-    for kind, label in (("activations", "unit inputs"), ("saved_activations", "saved tensors")):
-        moved = c.by_kind.get(kind)
-        if moved:
-            parts.append(f"{label} (cumulative) " + ", ".join(
-                f"{tier} r/w {moved[tier][0] / 2**20:.1f}/{mib(moved[tier][1])}"
-                for tier in ("nvme", "host") if any(moved[tier])))
-    for label, peak in (activation_peak or {}).items():
-        held = [f"{tier} {mib(n)}" for tier, n in peak.items() if n]
-        if held:
-            parts.append(f"{label} peak (last step) " + ", ".join(held))
-    pool = store.pool
-    parts.append(f"host pool peak (cumulative) {mib(pool.peak_in_use * pool.buffer_bytes)} "
-                 f"of {mib(pool.limit_bytes)}")
-    parts.append(f"prefetch wait (cumulative) {c.prefetch_wait_s:.2f} s")
-    parts.append(f"other io wait (cumulative) {c.blocked_s - c.prefetch_wait_s:.2f} s")
-    return " | ".join(parts)
+class StoreMeter:
+    """The store's traffic for the log: bytes read and written per tier (all state, then
+    unit checkpoints and saved tensors alone) and the time the training thread waited on
+    the store, per log interval; the run's totals at the end."""
+
+    TIERS = ("nvme", "host")
+    KINDS = (("activations", "unit inputs"), ("saved_activations", "saved tensors"))
+
+    def __init__(self, store: TensorStore | None):
+        self.store = store
+        self.start_interval()
+
+    def start_interval(self) -> None:
+        self._since = self.store.counters.snapshot() if self.store else None
+        self._started = time.perf_counter()
+
+    def interval(self, activation_peak: dict | None = None) -> tuple[str, dict]:
+        """This interval's figures as log-line text and as tracker scalars, and a new
+        interval starts. ``activation_peak``: the last step's peak bytes per tier
+        (``{"unit inputs": {tier: bytes}, "saved tensors": {...}}``)."""
+        if self.store is None:
+            return "", {}
+        now, before = self.store.counters.snapshot(), self._since
+        elapsed = time.perf_counter() - self._started
+        self.start_interval()
+        read = {t: now["read"][t] - before["read"][t] for t in self.TIERS}
+        written = {t: now["written"][t] - before["written"][t] for t in self.TIERS}
+        prefetch = now["prefetch_wait_s"] - before["prefetch_wait_s"]
+        other = now["blocked_s"] - before["blocked_s"] - prefetch
+        parts = [f"{t} r/w (interval) {mib(read[t])}/{mib(written[t])}"
+                 for t in self.TIERS if read[t] or written[t]]
+        for kind, label in self.KINDS:
+            moved = {t: [a - b for a, b in zip(now["by_kind"].get(kind, {}).get(t, [0, 0]),
+                                               before["by_kind"].get(kind, {}).get(t, [0, 0]))]
+                     for t in self.TIERS}
+            if any(any(rw) for rw in moved.values()):
+                parts.append(f"{label} (interval) " + ", ".join(
+                    f"{t} r/w {mib(rw[0])}/{mib(rw[1])}" for t, rw in moved.items() if any(rw)))
+        for label, peak in (activation_peak or {}).items():
+            held = [f"{tier} {mib(n)}" for tier, n in peak.items() if n]
+            if held:
+                parts.append(f"{label} peak (last step) " + ", ".join(held))
+        pool = self.store.pool
+        overlap = max(0.0, 1.0 - (prefetch + other) / elapsed) if elapsed > 0 else 1.0
+        parts += [f"host pool peak (cumulative) {mib(pool.peak_in_use * pool.buffer_bytes)} "
+                  f"of {mib(pool.limit_bytes)}",
+                  f"prefetch wait (interval) {prefetch:.2f} s",
+                  f"other io wait (interval) {other:.2f} s",
+                  f"not waiting on io (interval) {overlap:.1%}"]
+        scalars = {f"snake/{t}-{d}-bytes": v[t] for t in self.TIERS
+                   for d, v in (("read", read), ("write", written))}
+        scalars.update({"snake/prefetch-wait-seconds": prefetch,
+                        "snake/other-io-wait-seconds": other,
+                        "snake/io-overlap-fraction": overlap})
+        return " | ".join(parts), scalars
+
+    def total(self) -> str:
+        """The whole run's store traffic and waits, for the line after the last step."""
+        if self.store is None:
+            return ""
+        c = self.store.counters.snapshot()
+        moved = [f"{t} r/w {size(c['read'][t])}/{size(c['written'][t])}" for t in self.TIERS
+                 if c["read"][t] or c["written"][t]]
+        return (f"> store traffic (whole run): {', '.join(moved) or 'nothing moved'}; waited "
+                f"on the store {c['blocked_s']:.2f} s ({c['prefetch_wait_s']:.2f} s of it "
+                "for prefetched reads)")
 
 
 @dataclass

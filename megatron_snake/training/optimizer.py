@@ -75,4 +75,6 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         wd_incr_style="constant",
         wsd_decay_steps=None,
         lr_wsd_decay_style=None,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

@@ -23,8 +23,9 @@ from megatron_snake.optim.offloaded_adamw import part_bounds
 from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, check_host_memory_limit
-from megatron_snake.storage.sizes import gib, mib
+from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import host_buffers_for
+from megatron_snake.storage.temp_dirs import sweep_dead_temp_offload_dirs
 from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, check_host_memory,
                                                      checkpoint_bytes_per_step,
                                                      checkpoint_bytes_planned,
@@ -245,13 +246,13 @@ class Preflight:
 
     def drive_parts(self) -> str:
         t = self.tiers
-        parts = [f"weights {_size(self.nvme_weights)}" if t.params == "nvme" else "",
-                 f"master weights + moments {_size(self.nvme_optimizer)}, fp32 gradients "
-                 f"{_size(self.nvme_gradients)}" if t.optimizer == "nvme" else "",
-                 f"unit inputs {_size(self.nvme_unit_inputs)}" if self.nvme_unit_inputs else "",
-                 f"initial weights while the state is built {_size(self.nvme_initial)}"
+        parts = [f"weights {size(self.nvme_weights)}" if t.params == "nvme" else "",
+                 f"master weights + moments {size(self.nvme_optimizer)}, fp32 gradients "
+                 f"{size(self.nvme_gradients)}" if t.optimizer == "nvme" else "",
+                 f"unit inputs {size(self.nvme_unit_inputs)}" if self.nvme_unit_inputs else "",
+                 f"initial weights while the state is built {size(self.nvme_initial)}"
                  if self.nvme_initial else "",
-                 f"--save checkpoints {_size(self.checkpoints)}"
+                 f"--save checkpoints {size(self.checkpoints)}"
                  if self.checkpoints_on_drive else ""]
         return ", ".join(p for p in parts if p) or "nothing"
 
@@ -261,48 +262,44 @@ class Preflight:
         t = self.tiers
         shared = f" (of them {self.counts.shared:,} shared by the first and last: tied)" \
             if self.counts.shared else ""
-        pinned = f"; pinned units {list(self.pinned_units)} {_size(self.pinned)}" \
+        pinned = f"; pinned units {list(self.pinned_units)} {size(self.pinned)}" \
             if self.pinned_units else "; nothing pinned"
         if self.device_unit_inputs:
-            pinned += f"; the step's unit inputs {_size(self.device_unit_inputs)}" + \
+            pinned += f"; the step's unit inputs {size(self.device_unit_inputs)}" + \
                 (" at most (auto)" if self.unit_input_tier == "auto" else "")
-        outside = f"the optimizer's update {_size(self.optimizer_update)}"
+        outside = f"the optimizer's update {size(self.optimizer_update)}"
         if self.partial_gradients:
-            outside += f", partial gradients of the snake groups {_size(self.partial_gradients)}"
-        free = "" if free_bytes is None else f", {_size(free_bytes)} free"
+            outside += f", partial gradients of the snake groups {size(self.partial_gradients)}"
+        free = "" if free_bytes is None else f", {size(free_bytes)} free"
         saved = ""
         if self.checkpoints and not self.checkpoints_on_drive:
-            saved = f"; --save checkpoints {_size(self.checkpoints)} on another drive"
+            saved = f"; --save checkpoints {size(self.checkpoints)} on another drive"
         return "\n".join([
             f"> pre-flight (from the flags, before anything is allocated): "
             f"{self.params_total:,} parameters ({_count(self.params_total)}); this rank "
             f"(tensor shard {tp + 1}/{TP}, pipeline stage {pp + 1}/{PP}, data-parallel "
             f"shard {dp + 1}/{DP}): {self.params_rank:,} parameters in "
             f"{len(self.counts.units)} unit(s){shared}, {self.elem}-byte working weights",
-            f"> pre-flight device: {_size(self.device_bytes)} (working set of unit "
-            f"{self.working_set_unit} {_size(self.working_set)}: its weights and fp32 "
+            f"> pre-flight device: {size(self.device_bytes)} (working set of unit "
+            f"{self.working_set_unit} {size(self.working_set)}: its weights and fp32 "
             f"gradient, the tied weights, one micro-batch's checkpoints; the next unit "
-            f"prefetched {_size(self.prefetch)}{pinned}); activations inside a unit come on "
+            f"prefetched {size(self.prefetch)}{pinned}); activations inside a unit come on "
             "top",
-            f"> pre-flight host: {_size(self.host_bytes)} (pool {_size(self.pool_bytes)}: "
+            f"> pre-flight host: {size(self.host_bytes)} (pool {size(self.pool_bytes)}: "
             f"{self.pool_buffers} buffers of {mib(self.buffer_bytes)}, the host tiers hold "
             f"{self.host_buffers_used} ("
             + ", ".join([f"{name} {n}" for name, n in self._on_host()] + ["1 for staging"])
             + f"); outside the pool: {outside})",
-            f"> pre-flight drive, {self.drive_label()}: {_size(self.drive_planned)} planned "
+            f"> pre-flight drive, {self.drive_label()}: {size(self.drive_planned)} planned "
             f"({self.drive_parts()}; weights on {t.params}, optimizer state on "
             f"{t.optimizer}, unit inputs on {self.unit_input_tier}){saved}; "
-            f"{_size(self.drive_needed)} needed with the {directory.MARGIN_FRACTION:.0%} + "
+            f"{size(self.drive_needed)} needed with the {directory.MARGIN_FRACTION:.0%} + "
             f"{directory.MARGIN_BYTES >> 20} MiB margin{free}",
         ])
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
-
-
-def _size(n: int) -> str:
-    return gib(n) if n >= 1 << 30 else mib(n)
 
 
 def offload_path(args, rank: int = 0) -> str:
@@ -390,13 +387,13 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
         errors.append(exc)
     if free_bytes is not None and pf.drive_needed > free_bytes:
         message = (
-            f"{pf.drive_label()}: the run needs {_size(pf.drive_needed)} of drive space in "
-            f"all ({_size(pf.drive_planned)} planned: {pf.drive_parts()}; with the "
+            f"{pf.drive_label()}: the run needs {size(pf.drive_needed)} of drive space in "
+            f"all ({size(pf.drive_planned)} planned: {pf.drive_parts()}; with the "
             f"{directory.MARGIN_FRACTION:.0%} + {directory.MARGIN_BYTES >> 20} MiB margin), "
-            f"{_size(free_bytes)} is free: free {_size(pf.drive_needed - free_bytes)} more, "
+            f"{size(free_bytes)} is free: free {size(pf.drive_needed - free_bytes)} more, "
             "or point --snake-offload-dir at a larger drive.")
         if pf.checkpoints_on_drive:
-            message += (f" (This counts {_size(pf.checkpoints)} of --save checkpoints on the "
+            message += (f" (This counts {size(pf.checkpoints)} of --save checkpoints on the "
                         "same file system: every saved iteration is kept; raise "
                         "--save-interval or save to another drive.)")
         errors.append(CapacityError(message))
@@ -419,6 +416,8 @@ def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
         pf = estimate(args, vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                       pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                       dp_rank=parallel_state.get_data_parallel_rank(), rank=rank)
+        if not args.snake_offload_dir:   # killed runs' leftovers are not counted as used
+            sweep_dead_temp_offload_dirs()
         free = drive_free_bytes(pf.offload_path)
         log(pf.summary(free))
         check(pf, args, free)

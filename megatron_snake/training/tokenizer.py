@@ -1,24 +1,55 @@
-"""Tokenizers that need no download, and Megatron's vocabulary padding rule.
+"""Tokenizers by Megatron-LM's ``--tokenizer-type`` names, and Megatron's vocabulary padding.
 
-Two tokenizers are offered, both usable as the ``tokenizer`` of a Megatron-Core
-``GPTDatasetConfig`` (they expose ``vocab_size``, ``eod`` and ``unique_identifiers``):
+Every tokenizer can be the ``tokenizer`` of a Megatron-Core ``GPTDatasetConfig``: it exposes
+``vocab_size``, ``eod``, ``unique_identifiers`` (part of the dataset cache key),
+``tokenize(text) -> list[int]`` and ``detokenize(ids)``.
 
 * ``ByteTokenizer`` (default): the UTF-8 bytes of the text (ids 0..255) plus one
-  end-of-document token ``eod = 256``; ``vocab_size = 257``.
+  end-of-document token ``eod = 256``; ``vocab_size = 257``. Needs no file.
 * ``NullTokenizer``: Megatron-LM's ``_NullTokenizer``. The text already holds the ids as
   whitespace-separated integers. ``--vocab-size V`` counts the ordinary ids ``0..V-1``; the
   end-of-document id is ``V`` and the tokenizer's ``vocab_size`` is ``V + 1`` (exactly as in
   Megatron-LM, where ``eod = vocab_size_without_eod``).
+* ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): GPT-2's
+  byte-level BPE run by the ``tokenizers`` library; ``eod`` is ``<|endoftext|>``. Megatron-Core
+  0.16.1's own GPT-2 path (``MegatronHFTokenizer``) loads the "gpt2" tokenizer from the
+  Hugging Face Hub, so it cannot run offline; Megatron-LM's ``_GPT2BPETokenizer`` lives in its
+  training repository, not in megatron-core. Like it, ``<|endoftext|>`` is not a special
+  token inside text, and ``vocab_size`` is the size of vocab.json.
+* ``HuggingFaceTokenizer`` (``--tokenizer-model DIR``): Megatron-Core's
+  ``HuggingFaceTokenizer`` (``transformers.AutoTokenizer``) over a local directory; ``eod``
+  is the eos token. The directory must exist, so nothing is downloaded (Megatron-LM would
+  take a Hub name too).
+* ``SentencePieceTokenizer`` (``--tokenizer-model FILE.model``): Megatron-Core's
+  ``SentencePieceTokenizer``, as Megatron-LM builds it by default; ``eod`` is the model's eos
+  id and no token is added. (Megatron-LM's ``--legacy-tokenizer`` path appends ``<EOD>``,
+  ``<PAD>``, ... tokens instead.)
 
+The three file-based ones need the ``[tokenizers]`` extra (``pip install -e .[tokenizers]``).
 The model's embedding size is ``padded_vocab_size(tokenizer.vocab_size, ...)``.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
 from collections import OrderedDict
 from typing import Iterable, List, Optional
 
-TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer")
+# --tokenizer-type -> the file flags it reads (its dest names).
+TOKENIZER_FILES = {
+    "ByteTokenizer": (),
+    "NullTokenizer": (),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+}
+TOKENIZER_TYPES = tuple(TOKENIZER_FILES)
+_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
+# The package each file-based type imports.
+_LIBRARY = {"GPT2BPETokenizer": "tokenizers", "HuggingFaceTokenizer": "transformers",
+            "SentencePieceTokenizer": "sentencepiece"}
 
 
 class ByteTokenizer:
@@ -120,24 +151,150 @@ class NullTokenizer:
         return f"NullTokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def build_tokenizer(tokenizer_type: str = "ByteTokenizer", vocab_size: Optional[int] = None):
-    """Build a tokenizer by its ``--tokenizer-type`` name.
+class GPT2BPETokenizer:
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE (vocab.json + merges.txt), run
+    by the ``tokenizers`` library. ``eod`` is ``<|endoftext|>``."""
 
-    ``vocab_size`` is ``--vocab-size``: required by NullTokenizer, ignored by ByteTokenizer
-    (whose vocabulary is fixed at 257), as Megatron-LM ignores it for file-based tokenizers.
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import ByteLevelBPETokenizer
+
+        self._files = [os.path.abspath(vocab_file), os.path.abspath(merge_file)]
+        try:
+            self._tokenizer = ByteLevelBPETokenizer(*self._files)
+        except Exception as exc:  # the library raises its own (Rust) exception type
+            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a "
+                             f"GPT-2 vocab.json and merges.txt ({exc})") from None
+        self._eod = self._tokenizer.token_to_id(self.EOD_TOKEN)
+        if self._eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: has no {self.EOD_TOKEN} token, "
+                             "which GPT2BPETokenizer uses as the end-of-document token")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, object]":
+        return OrderedDict({"class": "GPT2BPETokenizer", "tokenizer_path": self._files})
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        # eod decodes to its text, as in Megatron-LM (it is not a special token here)
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"GPT2BPETokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def add_tokenizer_args(group) -> None:
+    """The tokenizer flags (Megatron-LM's names), shared by pretrain_gpt and preprocess_data."""
+    group.add_argument("--tokenizer-type", default="ByteTokenizer",
+                       help=f"one of {', '.join(TOKENIZER_TYPES)}")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary size without eod (NullTokenizer)")
+    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer)")
+    group.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="a local tokenizer directory (HuggingFaceTokenizer) or a .model "
+                            "file (SentencePieceTokenizer)")
+
+
+def tokenizer_flags(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`build_tokenizer` from parsed flags."""
+    return {name: getattr(args, name)
+            for name in ("tokenizer_type", "vocab_size", *_FILE_FLAGS)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_files(tokenizer_type: str, files: dict) -> None:
+    """Each type gets exactly the file flags it reads, and they exist."""
+    needed = TOKENIZER_FILES[tokenizer_type]
+    for name, path in files.items():
+        if path is not None and name not in needed:
+            reads = " and ".join(map(_flag, needed)) or "no file"
+            raise ValueError(f"{_flag(name)} is not read by --tokenizer-type {tokenizer_type} "
+                             f"(it reads {reads}); drop the flag or change the type")
+    if any(files[name] is None for name in needed):
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs "
+                         f"{' and '.join(_flag(name) for name in needed)}")
+    # HuggingFaceTokenizer takes a directory: a Hub name is refused, so nothing downloads
+    want_dir = tokenizer_type == "HuggingFaceTokenizer"
+    kind = "local directory (nothing is downloaded)" if want_dir else "file"
+    for name in needed:
+        if not (os.path.isdir if want_dir else os.path.isfile)(files[name]):
+            raise ValueError(f"{_flag(name)} {files[name]}: no such {kind}")
+    library = _LIBRARY.get(tokenizer_type)
+    if library and importlib.util.find_spec(library) is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs the {library} package: "
+                         f"pip install {library} (or pip install -e .[tokenizers])")
+
+
+def _megatron_core_tokenizer(tokenizer_type: str, path: str):
+    """Megatron-Core's own tokenizer ("huggingface" or "sentencepiece" library)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.tokenizers import MegatronTokenizer
+
+    library = "huggingface" if tokenizer_type == "HuggingFaceTokenizer" else "sentencepiece"
+    try:
+        tokenizer = MegatronTokenizer.from_pretrained(
+            tokenizer_path=os.path.abspath(path), metadata_path={"library": library})
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ValueError(f"--tokenizer-model {path}: cannot load it as a {tokenizer_type} "
+                         f"({exc})") from None
+    eod = tokenizer.eod
+    if eod is None or eod < 0:  # HF: no eos (nor sep) token; SentencePiece: eos_id -1
+        raise ValueError(f"--tokenizer-model {path}: the tokenizer has no eos token, which "
+                         "Megatron uses as the end-of-document token")
+    return tokenizer
+
+
+def build_tokenizer(tokenizer_type: str = "ByteTokenizer", vocab_size: Optional[int] = None,
+                    *, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    tokenizer_model: Optional[str] = None):
+    """Build a tokenizer by its ``--tokenizer-type`` name; the keyword arguments are the
+    flags of :func:`add_tokenizer_args` (pass ``**tokenizer_flags(args)``).
+
+    ``vocab_size`` is ``--vocab-size``: required by NullTokenizer. Megatron-LM ignores it
+    for the others (their vocabulary is the tokenizer's); here it is an error, like a file
+    flag the type does not read. Raises ValueError naming the flag on bad input.
     """
     if tokenizer_type is None:
         tokenizer_type = "ByteTokenizer"
+    if tokenizer_type not in TOKENIZER_FILES:
+        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid choices: "
+                         f"{', '.join(TOKENIZER_TYPES)}")
+    _check_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
+                                  "tokenizer_model": tokenizer_model})
+    if vocab_size is not None and tokenizer_type != "NullTokenizer":
+        raise ValueError(f"--vocab-size is read by --tokenizer-type NullTokenizer only; "
+                         f"{tokenizer_type}'s vocabulary is its own: drop --vocab-size")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer requires --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(
-        f"unknown --tokenizer-type {tokenizer_type!r}; valid choices: "
-        f"{', '.join(TOKENIZER_TYPES)}"
-    )
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    return _megatron_core_tokenizer(tokenizer_type, tokenizer_model)
 
 
 def padded_vocab_size(

@@ -60,26 +60,32 @@ def reset_peak_memory(device: torch.device) -> bool:
         return False
 
 
-def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], int]:
-    """This interval's memory figures for the log line, and the allocator's retry count now
-    (the next interval's baseline)."""
-    rss = f"peak RSS (interval): {gib(peak_rss_bytes())}"
+def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], dict, int]:
+    """This interval's memory figures for the log line and as tracker scalars, and the
+    allocator's retry count now (the next interval's baseline)."""
+    rss = peak_rss_bytes()
+    text, scalars = [f"peak RSS (interval): {gib(rss)}"], {"mem-peak-rss-bytes": rss}
     if device.type != "cuda":
-        return [rss], 0
+        return text, scalars, 0
     stats = torch.cuda.memory_stats(device)
     retries = stats.get("num_alloc_retries", 0)
-    return [f"mem allocated (now): {gib(stats.get('allocated_bytes.all.current', 0))}",
-            f"max allocated (interval): {gib(stats.get('allocated_bytes.all.peak', 0))}",
-            f"max reserved (interval): {gib(stats.get('reserved_bytes.all.peak', 0))}",
-            f"alloc retries (interval): {retries - retries_before}", rss], retries
+    now, peak, reserved = (stats.get(k, 0) for k in (
+        "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.peak"))
+    scalars.update({"mem-allocated-bytes": now, "mem-max-allocated-bytes": peak,
+                    "mem-max-reserved-bytes": reserved,
+                    "mem-alloc-retries": retries - retries_before})
+    return [f"mem allocated (now): {gib(now)}", f"max allocated (interval): {gib(peak)}",
+            f"max reserved (interval): {gib(reserved)}",
+            f"alloc retries (interval): {retries - retries_before}", *text], scalars, retries
 
 
 class TrainLog:
     """Accumulates between log lines and prints them (rank 0 only)."""
 
     def __init__(self, args, vocab_size: int, device: torch.device, *, rank: int = 0,
-                 stream=None):
+                 stream=None, trackers=None):
         self.args, self.device, self.rank, self.stream = args, device, rank, stream
+        self.trackers = trackers      # TensorBoard / wandb (tracking.Trackers), or None
         self.flops = model_flops_per_iteration(args, vocab_size)
         self.tokens_per_iter = args.global_batch_size * args.seq_length
         # every rank computes a share of the global batch's FLOPs
@@ -105,7 +111,12 @@ class TrainLog:
             print(line, file=self.stream or sys.stdout, flush=True)  # stdout as it is now
 
     def step(self, *, iteration: int, consumed_samples: int, lm_loss: float, lr: float,
-             grad_norm, loss_scale: float, skipped: bool, extra: str = ""):
+             grad_norm, loss_scale: float, skipped: bool, extra=None):
+        """One iteration. ``extra``: called on log iterations only, it returns more of the
+        interval's figures as (log-line text, tracker scalars)."""
+        self._track(iteration, {"lm loss": lm_loss, "learning-rate": lr, "grad-norm": grad_norm,
+                                "loss-scale": loss_scale if self.args.fp16 else None,
+                                "batch-size": self.args.global_batch_size})
         self._iters += 1
         self._skipped += int(skipped)
         if math.isnan(lm_loss) or math.isinf(lm_loss):
@@ -135,17 +146,26 @@ class TrainLog:
             parts.append(f"loss scale: {loss_scale:.1f}")
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")
-        memory, self._retries = memory_fields(self.device, self._retries)
+        memory, scalars, self._retries = memory_fields(self.device, self._retries)
         if not self._peak_resets:   # the OS kept the RSS peak: say it is cumulative
             memory = [m.replace("(interval)", "(cumulative)") if m.startswith("peak RSS")
                       else m for m in memory]
         parts += [f"number of skipped iterations: {self._skipped:3d}",
                   f"number of nan iterations: {self._nan:3d}", *memory]
-        if extra:
-            parts.append(extra)
+        text, more = extra() if extra else ("", {})
+        if text:
+            parts.append(text)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         self.print(f" [{stamp}] " + " | ".join(parts) + " |")
+        self._track(iteration, {"iteration-time": per_iter,
+                                "throughput": tflops / self.world_size,
+                                "tokens-per-sec": self.tokens_per_iter / per_iter,
+                                **scalars, **more})
         self.start_interval()
+
+    def _track(self, iteration: int, scalars: dict) -> None:
+        if self.trackers is not None and self.trackers.active:
+            self.trackers.write({k: v for k, v in scalars.items() if v is not None}, iteration)
 
     def validation(self, iteration: int, lm_loss: float):
         ppl = math.exp(min(20.0, lm_loss))
@@ -153,3 +173,4 @@ class TrainLog:
                 f"lm loss PPL: {ppl:.6E} |")
         bar = "-" * len(line)
         self.print(f"{bar}\n{line}\n{bar}")
+        self._track(iteration, {"lm loss validation": lm_loss, "lm loss validation ppl": ppl})

@@ -1,0 +1,170 @@
+"""``--ckpt-format torch_dist``: Megatron-Core's distributed checkpoint format, through
+``megatron.core.dist_checkpointing``, for runs that hold their model in memory (without
+``--snake-offload``; the offloaded state's unit-by-unit writer is not built yet).
+
+What is saved is what Megatron-LM saves: the model's ``sharded_state_dict()`` (each tensor
+with its global shape and this rank's offsets, so a checkpoint saved with one TP / PP / DP
+layout loads into another), the optimizer's (``optimizer.state.<exp_avg|...>.<key>``), and
+in ``common.pt`` the flags as an ``argparse.Namespace`` of plain values (with
+``consumed_train_samples``), ``checkpoint_version`` 3.0, the iteration and the learning-rate
+schedule. The RNG state of each (pipeline, tensor) rank is a ShardedObject
+``snake_rng_state`` (Megatron-LM's own ``rng_state`` holds numpy objects, which the safe
+reader refuses: load Megatron-LM's checkpoints with ``--no-load-rng``).
+
+The iteration directory is written under a temporary name (``iter_0000005.tmp``, 0700) and
+renamed, then the tracker is replaced, as in the ``torch`` format: a crash mid-save leaves
+the previous checkpoint valid. Loading goes through ``safe_dcp``: nothing in the files is
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
+                                                SafeTorchDistLoadStrategy, read_metadata)
+from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.storage.safe_files import fsync_dir, private_dir, write_file_atomically
+from megatron_snake.training import checkpointing as ckpt
+
+CHECKPOINT_VERSION = 3.0
+RNG_KEY = "snake_rng_state"
+CONFIG_FILE = "metadata.json"     # Megatron writes it last; its presence marks the format
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def is_torch_dist(iter_dir: str) -> bool:
+    return os.path.isfile(os.path.join(iter_dir, CONFIG_FILE))
+
+
+def _rng_object(state) -> ShardedObject:
+    pp, tp = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank())
+    sizes = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size())
+    return ShardedObject(RNG_KEY, state, sizes, (pp, tp),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _flags(args, consumed_samples: int) -> argparse.Namespace:
+    """The flags as Megatron-LM keeps them in common.pt: plain values only."""
+    plain = {k: v for k, v in vars(args).items()
+             if isinstance(v, _PLAIN) or (isinstance(v, (list, tuple)) and
+                                          all(isinstance(x, _PLAIN) for x in v))}
+    return argparse.Namespace(**plain, consumed_train_samples=consumed_samples,
+                              consumed_valid_samples=0)
+
+
+def _sharded_state(model, optimizer, *, with_optimizer: bool, loading: bool = False) -> dict:
+    # the bare GPTModel's keys (a DDP wrapper would prefix every key with "module.")
+    model_sd = unwrap_model(model).sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    return state
+
+
+def save(root: str, *, iteration: int, consumed_samples: int, args, model, optimizer,
+         scheduler) -> str:
+    """Write ``iter_<iteration>`` under ``root`` in Megatron's format (collective); returns
+    its path."""
+    final = ckpt.iter_dir(root, iteration)
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        with ckpt._failed_save(root, tmp, cleanup=tmp):
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            ckpt._remove(tmp)              # a crashed earlier save of this iteration
+            private_dir(tmp, what="checkpoint directory")
+    dist.barrier()
+    state = _sharded_state(model, optimizer, with_optimizer=not args.no_save_optim)
+    if not args.no_save_rng:
+        state[RNG_KEY] = _rng_object([ckpt.rng_state()])
+    state.update(args=_flags(args, consumed_samples), checkpoint_version=CHECKPOINT_VERSION,
+                 iteration=iteration, opt_param_scheduler=scheduler.state_dict(),
+                 num_floating_point_operations_so_far=0)
+    with ckpt._failed_save(root, tmp, cleanup=tmp if rank == 0 else None):
+        dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if rank == 0:
+        with ckpt._failed_save(root, final, cleanup=tmp):
+            fsync_dir(tmp)
+            ckpt._remove(final)            # an earlier save of this same iteration
+            os.replace(tmp, final)
+            fsync_dir(root)
+        tracker = os.path.join(root, ckpt.TRACKER)
+        with ckpt._failed_save(root, tracker, cleanup=None):
+            write_file_atomically(tracker, str(iteration).encode(), what="checkpoint tracker")
+    dist.barrier()
+    return final
+
+
+def load(iter_dir: str, *, root: str, args, model, optimizer,
+         takes_optimizer: bool, takes_rng: bool) -> dict:
+    """Load ``iter_dir``'s model (and optimizer and RNG state, as asked) into the run,
+    resharded to this run's layout. Returns the saved "iteration", "consumed_samples",
+    "opt_param_scheduler" (for the caller to apply) and "notes" for the log."""
+    with open(os.path.join(iter_dir, CONFIG_FILE), "rb") as f:
+        config = json.loads(f.read(1 << 16) or b"{}")
+    if config.get("sharded_backend") != "torch_dist":
+        raise ValueError(f"--load {root}: {iter_dir} is a {config.get('sharded_backend')!r} "
+                         "checkpoint; this run reads torch_dist and its own torch format")
+    # both pickles checked here, before any collective: a refusal names the file
+    read_metadata(os.path.join(iter_dir, ".metadata"))
+    common = SafeCommonLoadStrategy().load_common(iter_dir)
+    saved_args = common.get("args")
+    if not isinstance(saved_args, argparse.Namespace):
+        raise ValueError(f"--load {root}: {iter_dir}/common.pt has no flags (args)")
+    _check_model_flags(saved_args, args, root)
+    notes = []
+    same_layout = all(getattr(saved_args, k, None) == getattr(args, k) for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    if takes_rng and not same_layout:
+        takes_rng = False   # another layout's ranks have other RNG streams
+        notes.append("RNG state not loaded: saved with another tensor / pipeline layout")
+    state = _sharded_state(model, optimizer, with_optimizer=takes_optimizer, loading=True)
+    if takes_rng:
+        state[RNG_KEY] = _rng_object(None)
+    try:
+        loaded = dist_checkpointing.load(state, iter_dir,
+                                         sharded_strategy=SafeTorchDistLoadStrategy(),
+                                         common_strategy=SafeCommonLoadStrategy())
+    except KeyError as exc:   # Megatron: a requested key the checkpoint lacks
+        missing = str(exc)
+        advice = ("pass --no-load-optim (it was saved with --no-save-optim, or by another "
+                  "optimizer)" if "optimizer" in missing else
+                  "pass --no-load-rng" if RNG_KEY in missing else
+                  "is it a checkpoint of this model?")
+        raise ValueError(f"--load {root}: {iter_dir} lacks {missing}: {advice}") from None
+    result = unwrap_model(model).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--load {root}: the checkpoint's model does not match this run's "
+                         f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+    if takes_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        optimizer.reload_model_params()
+    if takes_rng:
+        ckpt.set_rng_state(loaded[RNG_KEY][0])
+    return {"iteration": int(common["iteration"]),
+            "consumed_samples": int(saved_args.consumed_train_samples),
+            "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
+
+
+def _check_model_flags(saved: argparse.Namespace, args, root: str) -> None:
+    """The model-shape flags must match; the parallel layout may differ (resharding)."""
+    layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    differ = [f"--{k.replace('_', '-')} saved {getattr(saved, k, None)!r} now {getattr(args, k)!r}"
+              for k in ckpt.MUST_MATCH if k not in layout and getattr(saved, k, None) !=
+              getattr(args, k)]
+    if differ:
+        raise ValueError(f"--load {root}: the checkpoint was saved with another model: "
+                         + ", ".join(differ))
