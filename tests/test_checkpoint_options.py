@@ -127,3 +127,15 @@ def test_bad_checkpoint_flags(capsys, flags, named):
     from conftest import expect_flag_error
 
     expect_flag_error(capsys, flags, named)
+
+
+def test_an_empty_load_directory_starts_from_scratch_unless_refused(megatron_world, tmp_path,
+                                                                    capsys):
+    flags = [*FLAGS, *SNAKE, "--train-iters", "2"]
+    fresh = pretrain(parse_args(flags))
+    (tmp_path / "empty").mkdir()
+    assert pretrain(parse_args([*flags, "--load", str(tmp_path / "empty")])) == fresh
+    assert "holds no checkpoint yet: training starts from scratch" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="--exit-on-missing-checkpoint"):
+        pretrain(parse_args([*flags, "--load", str(tmp_path / "empty"),
+                             "--exit-on-missing-checkpoint"]))

@@ -5,6 +5,7 @@ dead)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -112,7 +113,14 @@ def test_the_sweep_removes_only_what_it_can_prove_dead(tmp_path):
         target.mkdir()
         (target / "keep").write_text("keep")
         os.symlink(target, tmp_path / f"{PREFIX}{host}_{dead.pid}_link")
+        # a "dead" pid whose store still holds its lock (another pid namespace) stays
+        held = tmp_path / f"{PREFIX}{host}_{dead.pid}_held"
+        (held / "rank0").mkdir(parents=True)
+        lock_fd = os.open(held / "rank0" / "LOCK", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         removed = sweep_dead_temp_offload_dirs(str(tmp_path))
+        os.close(lock_fd)
+        assert held.exists()
         assert removed == [str(made["dead"])]
         assert not made["dead"].exists()
         assert all(made[k].exists() for k in ("alive", "other host", "not ours"))

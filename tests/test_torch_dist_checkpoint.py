@@ -81,7 +81,7 @@ class _Payload:
 
 @pytest.mark.parametrize("target", ["common.pt", ".metadata"])
 def test_a_pickled_payload_is_refused_and_never_runs(megatron_world, tmp_path, target):
-    from megatron_snake.training.safe_dcp import UnsafeCheckpointError
+    from megatron_snake.training.checkpointing import UnsafeCheckpointError
 
     root = _saved(tmp_path)
     path = os.path.join(root, "iter_0000002", target)
@@ -116,8 +116,9 @@ def test_another_model_is_refused_naming_the_flag(megatron_world, tmp_path):
                              "--hidden-size", "64"]))
 
 
-def test_torch_dist_with_snake_offload_is_refused(capsys):
-    expect_flag_error(capsys, [*DIST, "--snake-offload"], "--ckpt-format")
+@pytest.mark.parametrize("mode", ["--snake-offload", "--snake-zenflow"])
+def test_torch_dist_where_it_is_not_written_yet_is_refused(capsys, mode):
+    expect_flag_error(capsys, [*DIST, mode], "--ckpt-format")
 
 
 def test_a_format_this_run_cannot_read_is_named(megatron_world, tmp_path):
@@ -126,3 +127,34 @@ def test_a_format_this_run_cannot_read_is_named(megatron_world, tmp_path):
         '{"sharded_backend": "zarr", "sharded_backend_version": 1}')
     with pytest.raises(ValueError, match="'zarr' checkpoint; this run reads torch_dist"):
         pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", root]))
+
+
+def test_a_payload_in_a_sharded_object_is_refused_and_never_runs(megatron_world, tmp_path,
+                                                                  monkeypatch):
+    """The RNG state travels as a ShardedObject, which Megatron's planner would load with
+    weights_only=False."""
+    from megatron_snake.training import torch_dist
+    from megatron_snake.training.checkpointing import UnsafeCheckpointError
+
+    with monkeypatch.context() as m:
+        m.setattr(torch_dist.ckpt, "rng_state", lambda: {"payload": _Payload()})
+        root = _saved(tmp_path)
+    if os.path.exists("/tmp/snake_pwned_by_checkpoint"):
+        os.unlink("/tmp/snake_pwned_by_checkpoint")
+    with pytest.raises(UnsafeCheckpointError, match="refused.*posix.system|posix.system.*"):
+        pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", root]))
+    assert not os.path.exists("/tmp/snake_pwned_by_checkpoint")
+
+
+def test_no_save_optim_and_rng_need_their_load_flags(megatron_world, tmp_path):
+    root = tmp_path / "lean"
+    pretrain(parse_args([*FLAGS, "--train-iters", "2", *DIST, "--save", str(root),
+                         "--no-save-optim", "--no-save-rng"]))
+    with pytest.raises(ValueError, match="--no-save-optim.*--no-load-optim"):
+        pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", str(root)]))
+    with pytest.raises(ValueError, match="--no-save-rng.*--no-load-rng"):
+        pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", str(root),
+                             "--no-load-optim"]))
+    went_on = pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", str(root),
+                                   "--no-load-optim", "--no-load-rng"]))
+    assert len(went_on) == 2

@@ -129,3 +129,39 @@ def test_a_missing_tracking_library_is_named(capsys, monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     err = expect_flag_error(capsys, ["--wandb-project", "p"], "--wandb-project")
     assert "pip install wandb" in err
+
+
+def test_saving_and_evaluating_stay_out_of_the_interval(megatron_world, tmp_path, capsys,
+                                                        monkeypatch):
+    """A save (made slow here) after iteration 2 is not charged to iterations 3-4."""
+    import time
+
+    from megatron_snake.training.loop import Trainer
+
+    real_save = Trainer.save
+
+    def slow_save(self):
+        time.sleep(1.5)
+        real_save(self)
+
+    monkeypatch.setattr(Trainer, "save", slow_save)
+    pretrain(parse_args([*SMALL, "--snake-offload", "--save", str(tmp_path),
+                         "--save-interval", "2"]))
+    times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)",
+                                          capsys.readouterr().out)]
+    assert len(times) == 2 and times[1] < 700, times
+
+
+def test_a_world_writable_tracking_directory_is_refused(megatron_world, tmp_path):
+    from megatron_snake.training.tracking import own_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ValueError, match="writable by every user"):
+        own_dir(str(shared), "--tensorboard-dir")
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, 0o775)
+    own_dir(str(team), "--tensorboard-dir")          # a group directory is taken as it is
+    assert oct(os.stat(team).st_mode & 0o777) == "0o775"

@@ -4,7 +4,8 @@ that killed runs left behind.
 A run given no ``--snake-offload-dir`` offloads into ``$TMPDIR/megatron_snake_<host>_<pid>_*``
 and removes it on any exit it lives through. A run killed outright (SIGKILL, the OOM killer,
 a node reset) cannot, so each new start removes the directories it can prove dead: made on
-this host, by this user, by a process that no longer exists. Anything else (another host's
+this host, by this user, by a process that no longer exists and whose locks are free (a
+process in another pid namespace looks dead by pid, but holds its lock). Anything else (another host's
 directory on a shared /tmp, a live or unknowable owner, a link, another user's entry) is left
 alone. The temporary parent is writable by everyone, so every entry is checked with
 ``lstat`` and removed by ``shutil.rmtree``, which does not follow links inside it.
@@ -12,6 +13,8 @@ alone. The temporary parent is writable by everyone, so every entry is checked w
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import logging
 import os
 import re
@@ -45,6 +48,23 @@ def _pid_is_dead(pid: int) -> bool:
     return False
 
 
+def _a_lock_is_held(path: str) -> bool:
+    """Whether a live store holds a ``rank*/LOCK`` below ``path`` (its flock is released only
+    when its process dies, whatever pid namespace that process is in)."""
+    for lock in glob.glob(os.path.join(glob.escape(path), "rank*", "LOCK")):
+        try:   # opened without following a link; a link is not a lock
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
 def sweep_dead_temp_offload_dirs(parent: str | None = None) -> list[str]:
     """Remove the temporary offload directories of dead runs of this user on this host.
     Returns the paths removed."""
@@ -66,8 +86,8 @@ def sweep_dead_temp_offload_dirs(parent: str | None = None) -> list[str]:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             continue       # a link, a file, or another user's: not ours to judge
-        if not _pid_is_dead(int(match.group(1))):
-            continue
+        if not _pid_is_dead(int(match.group(1))) or _a_lock_is_held(path):
+            continue       # a pid of another namespace may look dead: its locks do not
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
             removed.append(path)

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the weights without the optimizer state (load such a checkpoint "
                         "with --no-load-optim or --finetune)")
     g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="refuse a --load directory that holds no checkpoint (by default the "
+                        "run starts from scratch, as in Megatron-LM)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights from --load: iteration, consumed samples, "
                         "optimizer and RNG start afresh")
@@ -421,6 +424,9 @@ def _validate_loading(args, parser) -> None:
         _fail(parser, "--ckpt-format", "torch_dist is not written by --snake-offload runs yet "
               "(their state is streamed unit by unit in the torch format); use "
               "--ckpt-format torch")
+    if args.ckpt_format == "torch_dist" and args.snake_zenflow:
+        _fail(parser, "--ckpt-format", "torch_dist is not written by --snake-zenflow runs (its "
+              "split optimizer has no sharded state); use --ckpt-format torch")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail(parser, "--override-opt_param-scheduler", "and --use-checkpoint-opt_param-"
               "scheduler ask for opposite schedules; drop one")

@@ -713,6 +713,19 @@ def _sha256(f) -> str:
     return digest.hexdigest()
 
 
+def refused_object(exc: pickle.UnpicklingError) -> str:
+    """What torch's weights_only unpickler refused, from its error (whose text also
+    suggests weights_only=False, which must never reach a user as advice)."""
+    text = str(exc)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+    if found:
+        return f"a reference to {found.group(1)}"
+    # the line that names the problem, never torch's first line of advice
+    lines = [line.strip() for line in text.split("WeightsUnpickler error: ")[-1].splitlines()
+             if line.strip() and "weights_only" not in line]
+    return (lines[0] if lines else "an object torch's safe loader does not allow")[:200]
+
+
 @contextlib.contextmanager
 def only_safe_globals(allowed):
     """torch.load(weights_only=True) allows torch's own types and exactly ``allowed``
@@ -735,10 +748,7 @@ def _unpickle(root: str, path: str, f):
         with only_safe_globals(_SAFE_GLOBALS):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        text = str(exc)
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        detail = (f"a reference to {found.group(1)}" if found else
-                  text.split("WeightsUnpickler error: ")[-1].split("\n")[0][:200])
+        detail = refused_object(exc)
         raise UnsafeCheckpointError(
             f"--load {root}: refused {path}: it holds objects other than tensors and plain "
             f"values ({detail}), which a checkpoint of megatron_snake never does; nothing in "

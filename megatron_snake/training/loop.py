@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,8 +71,7 @@ def checkpoint_to_load(args) -> tuple[str | None, bool]:
     """Megatron-LM's choice: ``--load`` when it holds a checkpoint, else
     ``--pretrained-checkpoint`` as a fine-tuning start; and whether it is a fine-tuning
     start (weights only)."""
-    if args.load and (args.pretrained_checkpoint is None or
-                      os.path.isfile(os.path.join(args.load, checkpointing.TRACKER))):
+    if args.load and os.path.isfile(os.path.join(args.load, checkpointing.TRACKER)):
         return args.load, args.finetune
     if args.pretrained_checkpoint:
         return args.pretrained_checkpoint, True
@@ -188,10 +188,10 @@ class Trainer:
     def _restore_torch_dist(self, folder: str, root: str, takes_optimizer: bool,
                             finetune: bool) -> None:
         args, run = self.args, self.run
-        if run.offloaded:
+        if run.offloaded or args.snake_zenflow:
+            mode = "--snake-offload" if run.offloaded else "--snake-zenflow"
             raise ValueError(f"--load {root}: {folder} is in Megatron's torch_dist format, "
-                             "which --snake-offload runs do not read yet; load it without "
-                             "--snake-offload")
+                             f"which {mode} runs do not read yet; load it without {mode}")
         loaded = torch_dist.load(folder, root=root, args=args, model=run.model,
                                  optimizer=run.optimizer, takes_optimizer=takes_optimizer,
                                  takes_rng=not (args.no_load_rng or finetune))
@@ -252,6 +252,8 @@ class Trainer:
                        "each figure covers the iterations since the previous line unless "
                        "its label says (cumulative), (now) or (last step); learning rate and "
                        "loss scale are the line's iteration's")
+        if self.profiler:
+            self.profiler.check_start(self.iteration, self.log.print)
         self.log.start_interval()
         self.store_meter.start_interval()
         traced = min(self.iteration + args.snake_trace_iteration, args.train_iters) \
@@ -282,11 +284,13 @@ class Trainer:
                 self.log.print(f"> --profile: trace written to {trace}")
             if self.valid_ds is not None and args.eval_interval and \
                     self.iteration % args.eval_interval == 0:
-                self.log.validation(self.iteration, self.evaluate())
+                with self._outside_the_interval():
+                    self.log.validation(self.iteration, self.evaluate())
             exiting = self._exit_reason()
             periodic = bool(args.save_interval) and self.iteration % args.save_interval == 0
             if args.save and (periodic or exiting or self.iteration == args.train_iters):
-                self.save()
+                with self._outside_the_interval():
+                    self.save()
             if exiting:
                 self.log.print(f"> exiting at iteration {self.iteration}: {exiting}"
                                + ("" if args.save else " (no --save: nothing was saved)"))
@@ -296,6 +300,16 @@ class Trainer:
         if run.tensor_store is not None:
             self.log.print(self.store_meter.total())
         return history
+
+    @contextlib.contextmanager
+    def _outside_the_interval(self):
+        """Evaluation and saving take neither time nor store traffic from the log
+        interval's training figures (Megatron-LM stops its interval timer for them too)."""
+        started, before = time.perf_counter(), self.store_meter.snapshot()
+        yield
+        seconds = time.perf_counter() - started
+        self.log.exclude(seconds)
+        self.store_meter.exclude(before, seconds)
 
     def _exit_reason(self) -> str | None:
         """Why training stops after this iteration, before --train-iters, or None."""
@@ -354,6 +368,12 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
         trainer = Trainer(run, log, train_ds, valid_ds, exit_conditions=exit_conditions,
                           profiler=StepProfiler(args, device, rank) if args.profile else None)
         source, finetune = checkpoint_to_load(args)
+        if args.load and source is None:   # Megatron-LM: a first run of a job script
+            if args.exit_on_missing_checkpoint:
+                raise FileNotFoundError(f"--load {args.load}: no {checkpointing.TRACKER} in "
+                                        "it (--exit-on-missing-checkpoint)")
+            log.print(f"> --load {args.load} holds no checkpoint yet: training starts from "
+                      "scratch (--exit-on-missing-checkpoint refuses instead)")
         if source:
             trainer.restore(source, finetune=finetune)
         try:

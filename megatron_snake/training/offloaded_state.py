@@ -100,8 +100,30 @@ class StoreMeter:
         self.start_interval()
 
     def start_interval(self) -> None:
-        self._since = self.store.counters.snapshot() if self.store else None
+        self._since = self.snapshot()
         self._started = time.perf_counter()
+
+    def snapshot(self) -> dict | None:
+        return self.store.counters.snapshot() if self.store else None
+
+    def exclude(self, before: dict | None, seconds: float) -> None:
+        """Leave the store traffic and waits since ``before`` (a ``snapshot``) and
+        ``seconds`` of time out of this interval: they were not training's."""
+        self._started += seconds
+        if self.store is None:
+            return
+        now, since = self.store.counters.snapshot(), self._since
+        for key in ("read", "written"):
+            for tier in since[key]:
+                since[key][tier] += now[key][tier] - before[key][tier]
+        for key in ("blocked_s", "prefetch_wait_s"):
+            since[key] += now[key] - before[key]
+        for kind, tiers in now["by_kind"].items():
+            for tier, rw in tiers.items():
+                old = before["by_kind"].get(kind, {}).get(tier, [0, 0])
+                mine = since["by_kind"].setdefault(kind, {}).setdefault(tier, [0, 0])
+                mine[0] += rw[0] - old[0]
+                mine[1] += rw[1] - old[1]
 
     def interval(self, activation_peak: dict | None = None) -> tuple[str, dict]:
         """This interval's figures as log-line text and as tracker scalars, and a new

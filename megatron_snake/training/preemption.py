@@ -9,6 +9,7 @@ removed on the way out and the process ends with status 0.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import torch
@@ -26,6 +27,9 @@ class ExitConditions:
         self._received = None
         self._handling = signal_handler
         if signal_handler:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError("--exit-signal-handler: Python delivers signals to the main "
+                                 "thread only; call pretrain from it, or drop the flag")
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

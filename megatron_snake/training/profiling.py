@@ -12,6 +12,7 @@ import os
 import torch
 
 from megatron_snake.storage.safe_files import create_file
+from megatron_snake.training.tracking import own_dir
 
 
 class StepProfiler:
@@ -23,6 +24,14 @@ class StepProfiler:
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._activities, self._prof = activities, None
+        if self.enabled:   # this rank's own --tensorboard-dir (node-local ones included)
+            own_dir(self.folder, "--tensorboard-dir")
+
+    def check_start(self, done: int, log) -> None:
+        """A run resumed past --profile-step-start profiles nothing: say so."""
+        if self.enabled and done > self.start:
+            log(f"> --profile: nothing is profiled: this run resumes at iteration {done}, "
+                f"after --profile-step-start {self.start}")
 
     def before_step(self, done: int) -> None:
         """``done``: iterations completed before the one about to run."""

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-from megatron_snake.training.checkpointing import UnsafeCheckpointError, only_safe_globals
+from megatron_snake.training.checkpointing import (UnsafeCheckpointError, only_safe_globals,
+                                                   refused_object)
 
 # What ``.metadata`` (torch's Metadata dataclasses; Megatron adds its pickled save plans)
 # may name, by module and name.
@@ -86,9 +87,9 @@ def load_plain(source, what: str):
         with only_safe_globals(COMMON_GLOBALS):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnsafeCheckpointError(f"{what} holds objects other than tensors and plain "
-                                    f"values ({first}): refused, nothing in it was run") from None
+                                    f"values ({refused_object(exc)}): refused, nothing in it "
+                                    "was run") from None
 
 
 class _SafeReader(FileSystemReader):

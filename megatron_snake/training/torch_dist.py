@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
                                                 SafeTorchDistLoadStrategy, read_metadata)
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.storage.safe_files import fsync_dir, private_dir, write_file_atomically
 from megatron_snake.training import checkpointing as ckpt
+from megatron_snake.training.checkpointing import UnsafeCheckpointError
 
 CHECKPOINT_VERSION = 3.0
 RNG_KEY = "snake_rng_state"
@@ -123,6 +125,12 @@ def load(iter_dir: str, *, root: str, args, model, optimizer,
     if not isinstance(saved_args, argparse.Namespace):
         raise ValueError(f"--load {root}: {iter_dir}/common.pt has no flags (args)")
     _check_model_flags(saved_args, args, root)
+    if takes_optimizer and getattr(saved_args, "no_save_optim", False):
+        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
+                         "holds no optimizer state; pass --no-load-optim (or --finetune)")
+    if takes_rng and getattr(saved_args, "no_save_rng", False):
+        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-rng; pass "
+                         "--no-load-rng")
     notes = []
     same_layout = all(getattr(saved_args, k, None) == getattr(args, k) for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size"))
@@ -136,12 +144,17 @@ def load(iter_dir: str, *, root: str, args, model, optimizer,
         loaded = dist_checkpointing.load(state, iter_dir,
                                          sharded_strategy=SafeTorchDistLoadStrategy(),
                                          common_strategy=SafeCommonLoadStrategy())
-    except KeyError as exc:   # Megatron: a requested key the checkpoint lacks
-        missing = str(exc)
-        advice = ("pass --no-load-optim (it was saved with --no-save-optim, or by another "
-                  "optimizer)" if "optimizer" in missing else
-                  "pass --no-load-rng" if RNG_KEY in missing else
-                  "is it a checkpoint of this model?")
+    except CheckpointException as exc:   # DCP gathers each rank's failure into one
+        causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        unsafe = [e for e in causes if isinstance(e, UnsafeCheckpointError)]
+        if unsafe:
+            raise unsafe[0] from None
+        missing = next((str(e) for e in causes if isinstance(e, KeyError)), None)
+        if missing is None:
+            raise
+        advice = ("pass --no-load-optim (it was saved by another optimizer)"
+                  if "optimizer" in missing else "pass --no-load-rng" if RNG_KEY in missing
+                  else "is it a checkpoint of this model?")
         raise ValueError(f"--load {root}: {iter_dir} lacks {missing}: {advice}") from None
     result = unwrap_model(model).load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]

@@ -6,8 +6,8 @@ which writes them to TensorBoard and/or Weights & Biases under Megatron-LM's sca
 ``snake/`` (bytes per tier, I/O wait, overlap). Rank 0 writes, the rank that prints the log
 (the loss it logs is already reduced over the pipeline and data-parallel ranks).
 
-The directories are made (or taken) writable by this user alone, so no one else can plant
-a link where the writers create their files.
+The directories are made 0755, or taken when no user outside the owner's group can write
+them, so no one else can plant a link where the writers create their files.
 
 Both libraries are optional (``pip install -e .[tracking]``); a flag whose library is
 missing is refused when the flags are checked, before any work is done.
@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-
-from megatron_snake.storage.safe_files import private_dir
+import stat
 
 TRACKING_LIBRARIES = {"--tensorboard-dir": "tensorboard", "--wandb-project": "wandb"}
 
@@ -46,11 +45,20 @@ def check_tracking_args(args: argparse.Namespace) -> None:
 
 
 def own_dir(path: str, flag: str) -> None:
-    """``path`` made (parents too) or taken, a real directory of this user's that others may
-    read but not write."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    private_dir(path, what=flag, mode=0o755)
+    """``path`` made (parents too, mode 0755), or an existing real directory that users
+    other than its owner's group cannot write (no one else can plant a link where the
+    writers create their files). An existing directory's mode is left as it is."""
+    try:
+        os.makedirs(path, mode=0o755)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{flag} {path!r} is not a real directory (a link or a file); give "
+                         "a directory")
+    if st.st_mode & stat.S_IWOTH:
+        raise ValueError(f"{flag} {path!r} is writable by every user: anyone could plant a "
+                         "link where the run writes; give a directory of your own")
 
 
 class Trackers:
@@ -60,6 +68,13 @@ class Trackers:
         self.tensorboard = self.wandb_run = None
         if not writes:
             return
+        try:
+            self._open(args)
+        except BaseException:
+            self.close()          # the writer opened before a failing wandb.init
+            raise
+
+    def _open(self, args) -> None:
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -106,6 +106,10 @@ class TrainLog:
         self._skipped = 0
         self._nan = 0
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent (evaluating, saving) out of this interval's time."""
+        self._start += seconds
+
     def print(self, line: str):
         if self.rank == 0:
             print(line, file=self.stream or sys.stdout, flush=True)  # stdout as it is now
