@@ -32,12 +32,12 @@ def _sbatch(option: str) -> int:
         return int(re.search(rf"^#SBATCH --{option}=(\d+)", f.read(), re.M).group(1))
 
 
-def _launch(tmp_path) -> dict[int, list[str]]:
-    """Run the batch script as Slurm would on a job of its own size; each node's torchrun
-    arguments."""
+def _launch(tmp_path, **stubs) -> dict[int, list[str]]:
+    """Run the batch script as Slurm would on a job of its own size (``stubs`` replace
+    stand-ins); each node's torchrun arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in STUBS.items():
+    for name, body in {**STUBS, **stubs}.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod(0o755)
     nodes = _sbatch("nodes")
@@ -94,3 +94,11 @@ def test_slurm_script_launches_one_torchrun_per_node_with_flags_that_parse(
     args = parse_args(flags[flags.index("examples/pretrain_gpt.py") + 1:],
                       world_size=nodes * gpus)
     assert args.load == str(ckpt)
+
+
+def test_a_long_node_list_does_not_stop_the_script(tmp_path):
+    """The first host name is taken without closing the pipe early: under pipefail,
+    ``scontrol ... | head -n1`` died of SIGPIPE (status 141) when the list was long."""
+    long_list = 'for ((n = 0; n < 20000; n++)); do echo "node$n"; done\n'
+    launched = _launch(tmp_path, scontrol=long_list)
+    assert launched[0][launched[0].index("--master-addr") + 1] == "node0"
