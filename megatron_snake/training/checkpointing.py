@@ -172,19 +172,11 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
     hold the rest. Each function is called after the state file is written, its result
     (tensors and plain JSON values, ``_write_unit``) written to ``unit_<key>.bin`` and
     dropped before the next is called: the save holds one layout at a time."""
-    final = iter_dir(root, iteration)
-    tmp = final + ".tmp"
+    tmp = begin_iteration_dir(root, iteration)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sharded = args.snake_offload  # each data-parallel rank holds its own optimizer shard
     writer = sharded or parallel_state.get_data_parallel_rank() == 0
     units = units or {}
-    if rank == 0:
-        with _failed_save(root, tmp, cleanup=tmp):
-            if not os.path.isdir(root):
-                os.makedirs(root, mode=0o700, exist_ok=True)
-            _remove(tmp)  # a crashed earlier save of this iteration
-            private_dir(tmp, what="checkpoint directory")
-    _barrier()
     if writer:
         state = {
             "format_version": FORMAT_VERSION,
@@ -221,8 +213,31 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
             with _failed_save(root, unit_path, cleanup=cleanup):
                 _write_unit(unit_path, key, entry)
             del entry            # before the next layout is read
+    return publish_iteration_dir(root, iteration)
+
+
+def begin_iteration_dir(root: str, iteration: int) -> str:
+    """Rank 0 makes ``iter_<iteration>.tmp`` (0700, a crashed earlier attempt removed) under
+    ``root``; every rank waits for it. Returns its path. Both formats write into it."""
+    tmp = iter_dir(root, iteration) + ".tmp"
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        with _failed_save(root, tmp, cleanup=tmp):
+            if not os.path.isdir(root):
+                os.makedirs(root, mode=0o700, exist_ok=True)
+            _remove(tmp)  # a crashed earlier save of this iteration
+            private_dir(tmp, what="checkpoint directory")
     _barrier()
-    if rank == 0:
+    return tmp
+
+
+def publish_iteration_dir(root: str, iteration: int) -> str:
+    """Once every rank has written into ``begin_iteration_dir``'s directory: rank 0 renames
+    it to ``iter_<iteration>`` and then replaces the tracker, each step durable. Returns
+    the final path."""
+    final = iter_dir(root, iteration)
+    tmp = final + ".tmp"
+    _barrier()
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         with _failed_save(root, final, cleanup=tmp):
             fsync_dir(tmp)        # the rank directories' entries
             _remove(final)        # an earlier save of this same iteration

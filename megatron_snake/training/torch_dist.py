@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
                                                 SafeTorchDistLoadStrategy, read_metadata)
 from megatron_snake.models.gpt_units import unwrap_model
-from megatron_snake.storage.safe_files import fsync_dir, private_dir, write_file_atomically
 from megatron_snake.training import checkpointing as ckpt
 from megatron_snake.training.checkpointing import UnsafeCheckpointError
 
@@ -77,35 +76,16 @@ def save(root: str, *, iteration: int, consumed_samples: int, args, model, optim
          scheduler) -> str:
     """Write ``iter_<iteration>`` under ``root`` in Megatron's format (collective); returns
     its path."""
-    final = ckpt.iter_dir(root, iteration)
-    tmp = final + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        with ckpt._failed_save(root, tmp, cleanup=tmp):
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            ckpt._remove(tmp)              # a crashed earlier save of this iteration
-            private_dir(tmp, what="checkpoint directory")
-    dist.barrier()
+    tmp = ckpt.begin_iteration_dir(root, iteration)
     state = _sharded_state(model, optimizer, with_optimizer=not args.no_save_optim)
     if not args.no_save_rng:
         state[RNG_KEY] = _rng_object([ckpt.rng_state()])
     state.update(args=_flags(args, consumed_samples), checkpoint_version=CHECKPOINT_VERSION,
                  iteration=iteration, opt_param_scheduler=scheduler.state_dict(),
                  num_floating_point_operations_so_far=0)
-    with ckpt._failed_save(root, tmp, cleanup=tmp if rank == 0 else None):
+    with ckpt._failed_save(root, tmp, cleanup=tmp if dist.get_rank() == 0 else None):
         dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    if rank == 0:
-        with ckpt._failed_save(root, final, cleanup=tmp):
-            fsync_dir(tmp)
-            ckpt._remove(final)            # an earlier save of this same iteration
-            os.replace(tmp, final)
-            fsync_dir(root)
-        tracker = os.path.join(root, ckpt.TRACKER)
-        with ckpt._failed_save(root, tracker, cleanup=None):
-            write_file_atomically(tracker, str(iteration).encode(), what="checkpoint tracker")
-    dist.barrier()
-    return final
+    return ckpt.publish_iteration_dir(root, iteration)
 
 
 def load(iter_dir: str, *, root: str, args, model, optimizer,
