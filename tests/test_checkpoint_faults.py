@@ -26,7 +26,9 @@ SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "6",
          "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "5"]
 # dropout on: resuming exactly needs the RNG streams and the data position back too
-FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload"]
+# the torch format's own files (torch_dist's are Megatron's, tested in its own module)
+FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload",
+         "--ckpt-format", "torch"]
 STATE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -230,6 +232,32 @@ def test_disk_full_on_a_real_small_file_system(saved, full_run, small_tmpfs):
     with open(small_tmpfs / "filler", "wb") as f:  # room left: half a checkpoint
         f.write(b"\0" * (free - size // 2))
     _expect_disk_full_then_resume(root, full_run)
+
+
+def test_disk_full_on_a_real_small_file_system_in_megatrons_format(full_run, small_tmpfs):
+    """--ckpt-format torch_dist: the file system fills up half-way through the offloaded
+    state's pieces; one error naming ENOSPC (not DCP's wrapper), nothing partial left, the
+    previous checkpoint resumes exactly."""
+    flags = [*FLAGS, "--ckpt-format", "torch_dist"]
+    root = str(small_tmpfs / "ckpt")
+    pretrain(parse_args([*flags, "--exit-interval", "2", "--save", root]))
+    folder = os.path.join(root, "iter_0000002")
+    size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+    st = os.statvfs(small_tmpfs)
+    free = st.f_bavail * st.f_frsize
+    assert free > size, "the tmpfs must hold at least one more checkpoint to fill it"
+    with open(small_tmpfs / "filler", "wb") as f:  # room left: half a checkpoint
+        f.write(b"\0" * (free - size // 2))
+    with pytest.raises(OSError) as caught:
+        pretrain(parse_args([*flags, "--load", root, "--save", root]))
+    message = str(caught.value)
+    assert message.startswith(f"--save {root}: writing the checkpoint failed at "), message
+    assert "no space left on device (ENOSPC)" in message, message
+    assert f"the previous checkpoint and {TRACKER} are unchanged" in message
+    assert caught.value.errno == errno.ENOSPC
+    assert sorted(n for n in os.listdir(root)) == ["iter_0000002", TRACKER]
+    assert pathlib.Path(root, TRACKER).read_text() == "2"
+    assert pretrain(parse_args([*flags, "--load", root])) == full_run[2:]
 
 
 @pytest.mark.parametrize("fail_at", ["write", "fsync"])
@@ -440,7 +468,7 @@ def test_every_rename_is_made_durable(megatron_world, tmp_path, monkeypatch):
     after(("replace", tracker + ".part", tracker), ("fsync", str(root)))
 
 
-KILLED_MID_SAVE = """
+KILLED_MID_SAVE = {"torch": """
 import os, signal, sys, warnings
 warnings.filterwarnings("ignore")
 from megatron_snake.training import checkpointing
@@ -459,10 +487,31 @@ def write_then_die(path, state):
 
 checkpointing._write_state = write_then_die
 pretrain(parse_args(sys.argv[1:]))
-"""
+""", "torch_dist": """
+import os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+from megatron_snake.training import torch_dist_offloaded
+from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.loop import pretrain
+
+real_save, saves = torch_dist_offloaded.stream_save, []
+
+def save_then_die(sharded, common, directory, *args, **kwargs):
+    saves.append(directory)
+    if len(saves) == 2:                      # the second save, half written: SIGKILL
+        with open(os.path.join(directory, "__0_0.distcp"), "wb") as f:
+            f.write(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_save(sharded, common, directory, *args, **kwargs)
+
+torch_dist_offloaded.stream_save = save_then_die
+pretrain(parse_args(sys.argv[1:]))
+"""}
 
 
-def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path,
+                                                                             ckpt_format):
     """A process killed while it writes a checkpoint: the tracker still names the previous
     one, which loads and resumes to the uninterrupted run's losses; the next save clears
     what the killed one left."""
@@ -472,7 +521,8 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--deterministic-mode",
-             "--device", "cpu", "--snake-offload", "--train-iters", "6", "--log-interval", "1"]
+             "--device", "cpu", "--snake-offload", "--train-iters", "6", "--log-interval", "1",
+             "--ckpt-format", ckpt_format]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
     def run(*extra, code=None):
@@ -487,7 +537,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_
 
     full = losses(run().stdout)
     ckpt = tmp_path / "ckpt"
-    killed = run("--save", str(ckpt), "--save-interval", "2", code=KILLED_MID_SAVE)
+    killed = run("--save", str(ckpt), "--save-interval", "2", code=KILLED_MID_SAVE[ckpt_format])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "iter_0000004.tmp").exists(), "the kill came mid-save"

@@ -153,5 +153,5 @@ def test_dp2_pretrain_with_snake_offload(tmp_path):
     assert runs[0] == runs[1], "the logged loss is averaged over data-parallel ranks"
     for a, b in zip(runs[0]["megatron"], runs[0]["snake"]):
         assert abs(a - b) <= 1e-5 * abs(a), runs[0]
-    saved = sorted(os.listdir(tmp_path / "ckpt" / "iter_0000004"))
-    assert saved == ["mp_rank_00_dp000", "mp_rank_00_dp001"]
+    saved = sorted(os.listdir(tmp_path / "ckpt" / "iter_0000004"))   # Megatron's files
+    assert saved == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]

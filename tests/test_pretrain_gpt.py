@@ -79,7 +79,9 @@ def test_save_interval_and_atomic_layout(megatron_world, tmp_path):
     pretrain(parse_args(flags))
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004",
                                              "latest_checkpointed_iteration.txt"]
-    assert os.listdir(tmp_path / "iter_0000004") == ["mp_rank_00"]
+    # Megatron's torch_dist files (the default format)
+    assert sorted(os.listdir(tmp_path / "iter_0000004")) == [
+        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
 
 
 def test_load_with_other_model_shape_fails(megatron_world, tmp_path):
@@ -223,12 +225,16 @@ def test_sigkill_during_a_step_then_resume(tmp_path):
     assert resumed == full[3:]
 
 
-def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, monkeypatch):
-    from megatron_snake.training import checkpointing
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, monkeypatch,
+                                                     ckpt_format):
+    """The second save fails half-way (torch: at its state file; torch_dist: at its first
+    piece of offloaded state): an error naming the failure, the first checkpoint intact."""
+    from megatron_snake.training import checkpointing, torch_dist_offloaded
 
     flags = [*SMALL, *NO_DROPOUT, "--train-iters", "4", "--snake-offload", "--save",
-             str(tmp_path), "--save-interval", "2"]
-    real_save, calls = checkpointing.torch.save, []
+             str(tmp_path), "--save-interval", "2", "--ckpt-format", ckpt_format]
+    real_save, real_stream, calls = checkpointing.torch.save, torch_dist_offloaded.stream_save, []
 
     def crashing_save(obj, path, *args, **kwargs):
         calls.append(path)
@@ -236,14 +242,25 @@ def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, m
             raise OSError("disk unplugged in the middle of the save")
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing.torch, "save", crashing_save)
+    def crashing_stream(sharded, common, directory, produce, *args, **kwargs):
+        calls.append(directory)
+
+        def produce_or_fail(*piece):
+            if len(calls) == 2:
+                raise OSError("disk unplugged in the middle of the save")
+            return produce(*piece)
+        return real_stream(sharded, common, directory, produce_or_fail, *args, **kwargs)
+
+    if ckpt_format == "torch":
+        monkeypatch.setattr(checkpointing.torch, "save", crashing_save)
+    else:
+        monkeypatch.setattr(torch_dist_offloaded, "stream_save", crashing_stream)
     with pytest.raises(OSError, match="disk unplugged"):
         pretrain(parse_args(flags))
-    monkeypatch.setattr(checkpointing.torch, "save", real_save)
+    monkeypatch.undo()
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-    state = checkpointing.load_checkpoint(str(tmp_path), args=parse_args(
-        [*flags, "--load", str(tmp_path)]))
-    assert state["iteration"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert checkpointing.latest_iteration(str(tmp_path)) == 2
     resumed = pretrain(parse_args([*flags, "--load", str(tmp_path), "--save-interval", "100"]))
     assert len(resumed) == 2
 

@@ -1,7 +1,8 @@
 """Streaming checkpoints (issue "Bigger than memory"): an offloaded run's --save reads each
-layout's state (working weights, master weights, moments) from its tier, writes it to its
-own file and drops it before the next; --load puts it back the same way. Resume stays
-bit-exact (one rank, data parallel 2, pipeline parallel 2); the big model of
+layout's state (working weights, master weights, moments) from its tier, writes it and
+drops it before the next; --load puts it back the same way. Both formats: torch (a file
+per unit) and torch_dist (Megatron's files, each layout's pieces written together). Resume
+stays bit-exact (one rank, data parallel 2, pipeline parallel 2); the big model of
 test_bigger_than_memory saves and loads within its RSS bound (training state >= 4x peak
 RSS); a corrupted, truncated, swapped or missing unit file is refused naming the file."""
 
@@ -27,8 +28,11 @@ from megatron_snake.training.loop import pretrain
 SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "6",
          "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "5"]
-# dropout on: resuming exactly needs the RNG streams and the data position back too
-FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload"]
+# dropout on: resuming exactly needs the RNG streams and the data position back too; the
+# torch format's unit files (torch_dist: the tests that name it)
+FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload",
+         "--ckpt-format", "torch"]
+DIST = ["--ckpt-format", "torch_dist"]   # (given last: it overrides FLAGS' choice)
 STATE = "model_optim_rng.pt"
 RANK_DIR = ("iter_0000002", "mp_rank_00")
 
@@ -49,6 +53,8 @@ def test_resume_is_bit_exact(megatron_world, tmp_path, extra):
     flags = [*FLAGS, *extra]
     full = pretrain(parse_args(flags))
     pretrain(parse_args([*flags, "--exit-interval", "2", "--save", str(tmp_path)]))
+    resumed_from_dist = _resumed_from_torch_dist(flags, tmp_path / "dist")
+    assert resumed_from_dist == full[2:], (resumed_from_dist, full[2:])
     rank_dir = tmp_path.joinpath(*RANK_DIR)
     state = torch.load(rank_dir / STATE, weights_only=True)
     tied = not extra
@@ -63,6 +69,20 @@ def test_resume_is_bit_exact(megatron_world, tmp_path, extra):
         (["embedding.word_embeddings.weight"] if tied else [])
     resumed = pretrain(parse_args([*flags, "--load", str(tmp_path)]))
     assert resumed == full[2:], (resumed, full[2:])
+
+
+def _resumed_from_torch_dist(flags: list[str], root) -> list[float]:
+    """Saved at iteration 2 in Megatron's format and resumed from it; the checkpoint holds
+    Megatron-LM's keys (layers stacked on a leading axis) with their global shapes."""
+    from megatron.core import dist_checkpointing
+
+    pretrain(parse_args([*flags, *DIST, "--exit-interval", "2", "--save", str(root)]))
+    shapes = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(
+        str(root / "iter_0000002")).items()}
+    assert shapes["decoder.layers.mlp.linear_fc1.weight"] == (3, 128, 32)
+    assert shapes["optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight"] == \
+        (3, 128, 32)
+    return pretrain(parse_args([*flags, *DIST, "--load", str(root)]))
 
 
 def test_save_and_load_hold_one_layout_at_a_time(megatron_world, tmp_path, monkeypatch):
@@ -104,6 +124,40 @@ def test_save_and_load_hold_one_layout_at_a_time(megatron_world, tmp_path, monke
     assert calls == {"save": 4, "load": 4}   # 3 units and the shared (tied) layout
 
 
+def test_torch_dist_reads_each_layout_once_and_never_the_whole_model(megatron_world, tmp_path,
+                                                                      monkeypatch):
+    """--ckpt-format torch_dist: the writer asks for each layout's state once (its pieces are
+    written together, whatever order Megatron's keys would give them) and drops it before
+    the next; the load puts back one unit at a time; neither gathers the whole model."""
+    from megatron_snake.offload.unit_weights import OffloadedUnits
+    from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+
+    calls: dict = {"save": [], "load": []}
+    held: list = []
+    real_unit_state, real_load = OffloadedUnits.unit_state, OffloadedUnits.load_unit_state
+
+    def unit_state(self, key, optimizer=True):
+        assert not [r for r in held if r() is not None], "the previous layout is held"
+        entry = real_unit_state(self, key, optimizer)
+        held[:] = [weakref.ref(v) for v in entry.values() if torch.is_tensor(v)]
+        calls["save"].append(key)
+        return entry
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole model or optimizer shard at once")
+
+    monkeypatch.setattr(OffloadedUnits, "unit_state", unit_state)
+    monkeypatch.setattr(OffloadedUnits, "load_unit_state", lambda self, key, state, **kw: (
+        calls["load"].append(key), real_load(self, key, state, **kw)))
+    monkeypatch.setattr(OffloadedUnits, "model_state_dict", whole)
+    monkeypatch.setattr(OffloadedUnits, "load_model_state_dict", whole)
+    monkeypatch.setattr(OffloadedAdamW, "state_dict", whole)
+    flags = [*FLAGS, *DIST, "--train-iters", "3"]
+    pretrain(parse_args([*flags, "--exit-interval", "2", "--save", str(tmp_path)]))
+    pretrain(parse_args([*flags, "--load", str(tmp_path)]))
+    assert calls == {"save": [0, 1, 2, "shared"], "load": [0, 1, 2]}
+
+
 # --- two ranks: data parallel 2, pipeline parallel 2 ---------------------------------------
 MULTI_RANK_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
                     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size",
@@ -111,7 +165,7 @@ MULTI_RANK_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention
                     "--device", "cpu", "--deterministic-mode", "--snake-offload"]
 
 
-def _two_ranks(rank: int, port: int, root: str, parallel: list[str]):
+def _two_ranks(rank: int, port: int, root: str, parallel: list[str], ckpt_format: str):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -119,7 +173,8 @@ def _two_ranks(rank: int, port: int, root: str, parallel: list[str]):
     torch.set_num_threads(1)
     from megatron_snake.training import distributed
 
-    flags, ckpt = [*MULTI_RANK_FLAGS, *parallel], os.path.join(root, "ckpt")
+    flags = [*MULTI_RANK_FLAGS, *parallel, "--ckpt-format", ckpt_format]
+    ckpt = os.path.join(root, "ckpt")
     full = pretrain(parse_args(flags))
     pretrain(parse_args([*flags, "--exit-interval", "2", "--save", ckpt]))
     resumed = pretrain(parse_args([*flags, "--load", ckpt]))
@@ -133,14 +188,20 @@ def _two_ranks(rank: int, port: int, root: str, parallel: list[str]):
     # the tied embedding's two copies (first and last stage) are units of their stages
     ("pp2", ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"]),
 ])
-def test_resume_is_bit_exact_on_two_ranks(tmp_path, name, parallel, rank_dirs):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_resume_is_bit_exact_on_two_ranks(tmp_path, name, parallel, rank_dirs, ckpt_format):
     """Each rank saves its own layouts (under data parallelism its shard of each: working
     weights, master weights, moments) and loads them back: the straight run's losses."""
-    mp.spawn(_two_ranks, args=(free_port(), str(tmp_path), parallel), nprocs=2, join=True)
+    mp.spawn(_two_ranks, args=(free_port(), str(tmp_path), parallel, ckpt_format), nprocs=2,
+             join=True)
     for rank in range(2):
         run = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert run["resumed"] == run["full"][2:], run
     iteration = tmp_path / "ckpt" / "iter_0000002"
+    if ckpt_format == "torch_dist":   # one file per rank, Megatron's
+        assert sorted(os.listdir(iteration)) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+        return
     assert sorted(os.listdir(iteration)) == rank_dirs
     if name != "dp2":
         return
@@ -272,10 +333,12 @@ def test_a_checkpoint_with_another_unit_partition_is_refused(saved, tmp_path):
 
 
 # --- the big model: save and load within the RSS bound --------------------------------------
-def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path, ckpt_format):
     """test_bigger_than_memory's 201M-parameter GPT (3.8 GiB of fp32 training state):
     --save (twice) in a process whose peak RSS stays a quarter of that state or less,
-    --load and one more step likewise, and that step's loss is the uninterrupted run's.
+    --load and one more step likewise, and that step's loss is the uninterrupted run's, in
+    both formats (torch_dist: Megatron's files, written and read one unit at a time).
     (The whole-model save and load this replaces peaked at 3.57 and 3.54 GiB: ratio 1.1.)"""
     from test_bigger_than_memory import (BIG, FP32_STATE_BYTES_PER_PARAMETER,
                                          train_in_subprocess)
@@ -287,7 +350,7 @@ def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path):
         out = list(BIG)
         out[out.index("--train-iters") + 1] = str(iters)
         return [*out, "--snake-offload", "--snake-offload-dir", str(tmp_path / name),
-                "--snake-host-memory-limit", "64MiB", *extra]
+                "--snake-host-memory-limit", "64MiB", "--ckpt-format", ckpt_format, *extra]
 
     # --train-iters 3 in all three runs (it sets the learning-rate schedule), the first
     # stopped after its second step

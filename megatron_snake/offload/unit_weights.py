@@ -217,12 +217,17 @@ class OffloadedUnits(UnitStore):
         name_of = {id(p): n for n, p in module.named_parameters()}
         return {name_of[id(seg.param)] for lay in self.params.units for seg in lay.segments}
 
-    def resident_state_dict(self, module: torch.nn.Module) -> dict:
-        """``module.state_dict()`` without the parameters kept in the store: the shared
-        parameters (updated first) and the buffers, which stay in the module."""
+    def sync_resident(self) -> None:
+        """Every pending update applied, and the shared parameters' updated values in the
+        module (a collective under data parallelism)."""
         self.optimizer.flush()
         if self._shared_stale:
             self._refresh_shared()
+
+    def resident_state_dict(self, module: torch.nn.Module) -> dict:
+        """``module.state_dict()`` without the parameters kept in the store: the shared
+        parameters (updated first) and the buffers, which stay in the module."""
+        self.sync_resident()
         offloaded = self._offloaded_names(module)
         return {k: v for k, v in module.state_dict().items() if k not in offloaded}
 
@@ -231,7 +236,8 @@ class OffloadedUnits(UnitStore):
         offloaded = self._offloaded_names(module)
         unexpected = [k for k in state if k in offloaded]
         missing, more = module.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in offloaded]
+        # (extra state: what Transformer Engine layers keep, empty in Megatron's own)
+        missing = [k for k in missing if k not in offloaded and not k.endswith("_extra_state")]
         if missing or unexpected or more:
             raise KeyError(f"checkpoint does not match the model: missing {missing}, "
                            f"unexpected {unexpected + more}")
@@ -309,9 +315,7 @@ class OffloadedUnits(UnitStore):
         """The whole ``module.state_dict()``, every offloaded parameter read back from the
         store one unit at a time, on the CPU (the model never has to fit on the device,
         but the result holds all of it: a checkpoint uses ``unit_state``)."""
-        self.optimizer.flush()
-        if self._shared_stale:
-            self._refresh_shared()
+        self.sync_resident()
         state = module.state_dict()
         name_of = {id(p): n for n, p in module.named_parameters()}
         for lay in self.params.units:
@@ -353,9 +357,7 @@ class OffloadedUnits(UnitStore):
     def load_all(self) -> None:
         """Every pending update applied and every unit's weights back in its parameters
         (for evaluation outside the schedule, a checkpoint, or the end of training)."""
-        self.optimizer.flush()
-        if self._shared_stale:
-            self._refresh_shared()
+        self.sync_resident()
         for lay in self.params.units:
             flat = self._read_flat(lay)
             for seg, view in zip(lay.segments, lay.views(flat)):

@@ -182,12 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
-                   help="how --save writes: torch (this project's format: one file per rank, "
-                        "and with --snake-offload one per unit, streamed) or torch_dist "
-                        "(Megatron-Core's distributed format: loads into another TP / PP / DP "
-                        "layout and into Megatron-LM; not yet with --snake-offload). --load "
-                        "reads either")
+    g.add_argument("--ckpt-format", default=None, choices=["torch", "torch_dist"],
+                   help="how --save writes: torch_dist (the default, as in Megatron-LM: "
+                        "Megatron-Core's distributed format, which loads into another TP / PP "
+                        "/ DP layout, with or without --snake-offload; "
+                        "an offloaded run writes it one unit at a time) or torch (this "
+                        "project's own: one checksummed file per rank, and with "
+                        "--snake-offload one per unit; the same layout only; the default "
+                        "with --snake-zenflow). --load reads either")
     g.add_argument("--no-save-optim", action="store_true",
                    help="save the weights without the optimizer state (load such a checkpoint "
                         "with --no-load-optim or --finetune)")
@@ -420,13 +422,11 @@ def _validate_loading(args, parser) -> None:
     if args.finetune and args.load is None and args.pretrained_checkpoint is None:
         _fail(parser, "--finetune", "loads the weights of --load or --pretrained-checkpoint; "
               "add one of them")
-    if args.ckpt_format == "torch_dist" and args.snake_offload:
-        _fail(parser, "--ckpt-format", "torch_dist is not written by --snake-offload runs yet "
-              "(their state is streamed unit by unit in the torch format); use "
-              "--ckpt-format torch")
     if args.ckpt_format == "torch_dist" and args.snake_zenflow:
         _fail(parser, "--ckpt-format", "torch_dist is not written by --snake-zenflow runs (its "
               "split optimizer has no sharded state); use --ckpt-format torch")
+    if args.ckpt_format is None:   # Megatron-LM's default, where the optimizer has one
+        args.ckpt_format = "torch" if args.snake_zenflow else "torch_dist"
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail(parser, "--override-opt_param-scheduler", "and --use-checkpoint-opt_param-"
               "scheduler ask for opposite schedules; drop one")

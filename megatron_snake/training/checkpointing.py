@@ -508,12 +508,7 @@ def load_checkpoint(root: str, *, args, optimizer: bool = True) -> dict:
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         version = state.get("format_version") if isinstance(state, dict) else None
         raise ValueError(f"--load {path}: format version {version} is not {FORMAT_VERSION}")
-    mismatched = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                  if getattr(args, k) != v}
-    if mismatched:
-        detail = ", ".join(f"--{k.replace('_', '-')} saved {a!r} now {b!r}"
-                           for k, (a, b) in mismatched.items())
-        raise ValueError(f"--load {root}: the checkpoint was saved with other settings: {detail}")
+    refuse_other_settings(root, state["args"], args, keys=tuple(state["args"]))
     if optimizer and state["optimizer"] is None:
         raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
                          "holds no optimizer state; pass --no-load-optim (or --finetune)")
@@ -534,6 +529,16 @@ def load_checkpoint(root: str, *, args, optimizer: bool = True) -> dict:
                 f"(iterations {_iterations_here(root)})")
         _read_checksum_file(root, unit_path)
     return state
+
+
+def refuse_other_settings(root: str, saved: dict, args, *, keys=MUST_MATCH) -> None:
+    """Refuse a checkpoint whose ``keys`` flags in ``saved`` differ from this run's, naming
+    each (both formats check their saved flags with this)."""
+    differ = [f"--{k.replace('_', '-')} saved {saved.get(k)!r} now {getattr(args, k)!r}"
+              for k in keys if saved.get(k) != getattr(args, k)]
+    if differ:
+        raise ValueError(f"--load {root}: the checkpoint was saved with other settings: "
+                         + ", ".join(differ))
 
 
 def load_units(root: str, state: dict, apply: Callable[[object, dict], None], *,

@@ -117,12 +117,11 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------
     def save(self) -> None:
         run = self.run
-        if self.args.ckpt_format == "torch_dist":   # Megatron's format (run in memory)
+        if self.args.ckpt_format == "torch_dist":   # Megatron's format
             torch_dist.save(self.args.save, iteration=self.iteration,
-                            consumed_samples=self.consumed, args=self.args, model=run.model,
-                            optimizer=run.optimizer, scheduler=run.scheduler)
-            self.log.print(f"> saved checkpoint (torch_dist) at iteration {self.iteration} "
-                           f"to {self.args.save}")
+                            consumed_samples=self.consumed, run=run)
+            self.log.print(f"> saved checkpoint at iteration {self.iteration} to "
+                           f"{self.args.save} (torch_dist)")
             return
         gpt = unwrap_model(run.model)
         if run.offloaded:  # streamed: one layout's weights, master weights, moments at a time
@@ -139,7 +138,8 @@ class Trainer:
                                       optimizer_state=optimizer_state,
                                       scheduler_state=run.scheduler.state_dict(),
                                       units=units)
-        self.log.print(f"> saved checkpoint at iteration {self.iteration} to {self.args.save}")
+        self.log.print(f"> saved checkpoint at iteration {self.iteration} to {self.args.save} "
+                       "(torch)")
 
     def restore(self, root: str, *, finetune: bool = False) -> None:
         """Load ``root``'s latest checkpoint into the run and continue from its iteration
@@ -188,12 +188,11 @@ class Trainer:
     def _restore_torch_dist(self, folder: str, root: str, takes_optimizer: bool,
                             finetune: bool) -> None:
         args, run = self.args, self.run
-        if run.offloaded or args.snake_zenflow:
-            mode = "--snake-offload" if run.offloaded else "--snake-zenflow"
+        if args.snake_zenflow and takes_optimizer:
             raise ValueError(f"--load {root}: {folder} is in Megatron's torch_dist format, "
-                             f"which {mode} runs do not read yet; load it without {mode}")
-        loaded = torch_dist.load(folder, root=root, args=args, model=run.model,
-                                 optimizer=run.optimizer, takes_optimizer=takes_optimizer,
+                             "whose optimizer state --snake-zenflow's split optimizer does "
+                             "not read; pass --no-load-optim to take the weights")
+        loaded = torch_dist.load(folder, root=root, run=run, takes_optimizer=takes_optimizer,
                                  takes_rng=not (args.no_load_rng or finetune))
         if takes_optimizer:
             _load_scheduler(run.scheduler, loaded["opt_param_scheduler"], root)
@@ -201,9 +200,8 @@ class Trainer:
             self.log.print(f"> {note}")
         if not finetune:
             self.iteration, self.consumed = loaded["iteration"], loaded["consumed_samples"]
-        self.log.print(f"> loaded checkpoint (torch_dist) from {root} at iteration "
-                       f"{loaded['iteration']}" + (" to fine-tune from iteration 0"
-                                                   if finetune else ""))
+        self.log.print(f"> loaded checkpoint from {root} at iteration {loaded['iteration']} "
+                       "(torch_dist)" + (", to fine-tune from iteration 0" if finetune else ""))
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self) -> float:

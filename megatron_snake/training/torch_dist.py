@@ -1,6 +1,5 @@
-"""``--ckpt-format torch_dist``: Megatron-Core's distributed checkpoint format, through
-``megatron.core.dist_checkpointing``, for runs that hold their model in memory (without
-``--snake-offload``; the offloaded state's unit-by-unit writer is not built yet).
+"""``--ckpt-format torch_dist`` (the default): Megatron-Core's distributed checkpoint format,
+through ``megatron.core.dist_checkpointing``, for runs with and without ``--snake-offload``.
 
 What is saved is what Megatron-LM saves: the model's ``sharded_state_dict()`` (each tensor
 with its global shape and this rank's offsets, so a checkpoint saved with one TP / PP / DP
@@ -9,7 +8,9 @@ in ``common.pt`` the flags as an ``argparse.Namespace`` of plain values (with
 ``consumed_train_samples``), ``checkpoint_version`` 3.0, the iteration and the learning-rate
 schedule. The RNG state of each (pipeline, tensor) rank is a ShardedObject
 ``snake_rng_state`` (Megatron-LM's own ``rng_state`` holds numpy objects, which the safe
-reader refuses: load Megatron-LM's checkpoints with ``--no-load-rng``).
+reader refuses: load Megatron-LM's checkpoints with ``--no-load-rng``). An offloaded run
+writes and reads the same files one unit at a time (``torch_dist_offloaded``), so a
+checkpoint of either kind of run loads into the other.
 
 The iteration directory is written under a temporary name (``iter_0000005.tmp``, 0700) and
 renamed, then the tracker is replaced, as in the ``torch`` format: a crash mid-save leaves
@@ -20,6 +21,7 @@ run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -27,12 +29,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
                                                 SafeTorchDistLoadStrategy, read_metadata)
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.training import checkpointing as ckpt
+from megatron_snake.training import torch_dist_offloaded
+from megatron_snake.training.dcp_stream import stream_save
 from megatron_snake.training.checkpointing import UnsafeCheckpointError
 
 CHECKPOINT_VERSION = 3.0
@@ -72,27 +77,37 @@ def _sharded_state(model, optimizer, *, with_optimizer: bool, loading: bool = Fa
     return state
 
 
-def save(root: str, *, iteration: int, consumed_samples: int, args, model, optimizer,
-         scheduler) -> str:
+def save(root: str, *, iteration: int, consumed_samples: int, run) -> str:
     """Write ``iter_<iteration>`` under ``root`` in Megatron's format (collective); returns
-    its path."""
+    its path. An offloaded run writes one layout at a time (``torch_dist_offloaded``)."""
+    args = run.args
     tmp = ckpt.begin_iteration_dir(root, iteration)
-    state = _sharded_state(model, optimizer, with_optimizer=not args.no_save_optim)
-    if not args.no_save_rng:
-        state[RNG_KEY] = _rng_object([ckpt.rng_state()])
-    state.update(args=_flags(args, consumed_samples), checkpoint_version=CHECKPOINT_VERSION,
-                 iteration=iteration, opt_param_scheduler=scheduler.state_dict(),
-                 num_floating_point_operations_so_far=0)
-    with ckpt._failed_save(root, tmp, cleanup=tmp if dist.get_rank() == 0 else None):
-        dist_checkpointing.save(state, tmp)
+    extra = {} if args.no_save_rng else {RNG_KEY: _rng_object([ckpt.rng_state()])}
+    common = dict(args=_flags(args, consumed_samples), checkpoint_version=CHECKPOINT_VERSION,
+                  iteration=iteration, opt_param_scheduler=run.scheduler.state_dict(),
+                  num_floating_point_operations_so_far=0)
+    with ckpt._failed_save(root, tmp, cleanup=tmp if dist.get_rank() == 0 else None), \
+            _first_cause():   # a full disk is reported as itself, not as DCP's wrapper
+        if run.offloaded:
+            torch_dist_offloaded.save(tmp, run, with_optimizer=not args.no_save_optim,
+                                      extra=extra, common=common)
+        else:
+            # Megatron's split into sharded and common parts, then the same writer (one
+            # file per rank, written in this process: Megatron's own forks writers)
+            state = _sharded_state(run.model, run.optimizer,
+                                   with_optimizer=not args.no_save_optim)
+            sharded, plain = save_preprocess({**state, **extra, **common},
+                                             validate_access_integrity=False)
+            stream_save(sharded, plain, tmp)
     return ckpt.publish_iteration_dir(root, iteration)
 
 
-def load(iter_dir: str, *, root: str, args, model, optimizer,
-         takes_optimizer: bool, takes_rng: bool) -> dict:
+def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: bool) -> dict:
     """Load ``iter_dir``'s model (and optimizer and RNG state, as asked) into the run,
-    resharded to this run's layout. Returns the saved "iteration", "consumed_samples",
-    "opt_param_scheduler" (for the caller to apply) and "notes" for the log."""
+    resharded to this run's layout, whichever kind of run saved it. Returns the saved
+    "iteration", "consumed_samples", "opt_param_scheduler" (for the caller to apply) and
+    "notes" for the log."""
+    args = run.args
     with open(os.path.join(iter_dir, CONFIG_FILE), "rb") as f:
         config = json.loads(f.read(1 << 16) or b"{}")
     if config.get("sharded_backend") != "torch_dist":
@@ -104,7 +119,10 @@ def load(iter_dir: str, *, root: str, args, model, optimizer,
     saved_args = common.get("args")
     if not isinstance(saved_args, argparse.Namespace):
         raise ValueError(f"--load {root}: {iter_dir}/common.pt has no flags (args)")
-    _check_model_flags(saved_args, args, root)
+    # the model's flags must match; the parallel layout may differ (resharding)
+    ckpt.refuse_other_settings(root, vars(saved_args), args, keys=[
+        k for k in ckpt.MUST_MATCH if k not in ("tensor_model_parallel_size",
+                                                "pipeline_model_parallel_size")])
     if takes_optimizer and getattr(saved_args, "no_save_optim", False):
         raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
                          "holds no optimizer state; pass --no-load-optim (or --finetune)")
@@ -117,15 +135,70 @@ def load(iter_dir: str, *, root: str, args, model, optimizer,
     if takes_rng and not same_layout:
         takes_rng = False   # another layout's ranks have other RNG streams
         notes.append("RNG state not loaded: saved with another tensor / pipeline layout")
-    state = _sharded_state(model, optimizer, with_optimizer=takes_optimizer, loading=True)
+    extra = {RNG_KEY: _rng_object(None)} if takes_rng else {}
+    strategies = dict(sharded_strategy=SafeTorchDistLoadStrategy(),
+                      common_strategy=SafeCommonLoadStrategy())
+    with _refusals(root, iter_dir):
+        if run.offloaded:
+            loaded = torch_dist_offloaded.load(iter_dir, run, with_optimizer=takes_optimizer,
+                                               extra=extra, strategies=strategies)
+        else:
+            loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra, strategies)
+    if takes_optimizer and run.offloaded:
+        step, scaler = torch_dist_offloaded.saved_step(common.get("optimizer") or {})
+        run.optimizer.load_state_dict({"iteration": step, "param_groups": [],
+                                       **({"grad_scaler": scaler} if scaler else {})})
+    elif run.offloaded:   # a fresh optimizer's masters: the loaded weights instead
+        run.offloaded.weights.reload_master_weights()
     if takes_rng:
-        state[RNG_KEY] = _rng_object(None)
+        ckpt.set_rng_state(loaded[RNG_KEY][0])
+    return {"iteration": int(common["iteration"]),
+            "consumed_samples": int(saved_args.consumed_train_samples),
+            "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
+
+
+def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra: dict,
+                    strategies: dict) -> dict:
+    """Megatron's own load into a run that holds its model: one collective read."""
+    state = _sharded_state(run.model, run.optimizer, with_optimizer=takes_optimizer,
+                           loading=True)
+    loaded = dist_checkpointing.load({**state, **extra}, iter_dir, **strategies)
+    result = unwrap_model(run.model).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--load {root}: the checkpoint's model does not match this run's "
+                         f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+    if takes_optimizer:
+        run.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        run.optimizer.reload_model_params()
+    return loaded
+
+
+def _causes(exc: CheckpointException) -> list[BaseException]:
+    """The failures DCP gathered from every rank into one CheckpointException."""
+    return [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+
+
+@contextlib.contextmanager
+def _first_cause():
     try:
-        loaded = dist_checkpointing.load(state, iter_dir,
-                                         sharded_strategy=SafeTorchDistLoadStrategy(),
-                                         common_strategy=SafeCommonLoadStrategy())
-    except CheckpointException as exc:   # DCP gathers each rank's failure into one
-        causes = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        yield
+    except CheckpointException as exc:
+        causes = _causes(exc)
+        if not causes:
+            raise
+        raise causes[0] from exc
+
+
+@contextlib.contextmanager
+def _refusals(root: str, iter_dir: str):
+    """Re-raise the refusal of an unsafe object as it is, and a missing key with what to
+    pass instead."""
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = _causes(exc)
         unsafe = [e for e in causes if isinstance(e, UnsafeCheckpointError)]
         if unsafe:
             raise unsafe[0] from None
@@ -136,28 +209,3 @@ def load(iter_dir: str, *, root: str, args, model, optimizer,
                   if "optimizer" in missing else "pass --no-load-rng" if RNG_KEY in missing
                   else "is it a checkpoint of this model?")
         raise ValueError(f"--load {root}: {iter_dir} lacks {missing}: {advice}") from None
-    result = unwrap_model(model).load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"--load {root}: the checkpoint's model does not match this run's "
-                         f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
-    if takes_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
-    else:
-        optimizer.reload_model_params()
-    if takes_rng:
-        ckpt.set_rng_state(loaded[RNG_KEY][0])
-    return {"iteration": int(common["iteration"]),
-            "consumed_samples": int(saved_args.consumed_train_samples),
-            "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
-
-
-def _check_model_flags(saved: argparse.Namespace, args, root: str) -> None:
-    """The model-shape flags must match; the parallel layout may differ (resharding)."""
-    layout = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    differ = [f"--{k.replace('_', '-')} saved {getattr(saved, k, None)!r} now {getattr(args, k)!r}"
-              for k in ckpt.MUST_MATCH if k not in layout and getattr(saved, k, None) !=
-              getattr(args, k)]
-    if differ:
-        raise ValueError(f"--load {root}: the checkpoint was saved with another model: "
-                         + ", ".join(differ))

@@ -149,14 +149,16 @@ def test_fp16_snake_matches_megatron_on_device(gpu_world, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), (megatron, snake)
 
 
-def test_save_and_resume_reproduces_losses_on_device(gpu_world, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_save_and_resume_reproduces_losses_on_device(gpu_world, tmp_path, ckpt_format):
     """--snake-offload on DEVICE, dropout on: 4 iterations straight, and 2 + --save, then
     --load + 2, print the same losses (the offloaded weights and optimizer state, the CUDA
-    and Megatron RNG streams and the data position all come back)."""
+    and Megatron RNG streams and the data position all come back), in both formats
+    (torch_dist: the resident tensors are device tensors, the units' pieces host ones)."""
     (tmp_path / "offload").mkdir()
     flags = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--eval-interval", "2",
              "--eval-iters", "1", "--snake-offload", "--snake-offload-dir",
-             str(tmp_path / "offload")]
+             str(tmp_path / "offload"), "--ckpt-format", ckpt_format]
     full = pretrain(parse_args(flags))
     ckpt = tmp_path / "ckpt"
     first = pretrain(parse_args([*flags, "--exit-interval", "2", "--save", str(ckpt)]))

@@ -1,0 +1,266 @@
+"""The state of a ``--snake-offload`` run as Megatron's ``torch_dist`` checkpoint, written and
+read one layout (unit) at a time: the file a plain Megatron-Core run writes, so either run
+loads the other's checkpoint, with any tensor / pipeline / data-parallel layout.
+
+Megatron names each tensor by its model key (``decoder.layers.mlp.linear_fc1.weight``, the
+layers stacked on a leading axis) and the optimizer's by
+``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model key>``. An offloaded run holds its
+parameters' values in the store, each unit's flattened and sharded over data-parallel ranks,
+so each rank writes and reads its own element range of each parameter as boxes of that
+parameter's global tensor (``dcp_stream.fragment_sharded_tensors``): no gather, no whole
+parameter in memory. The parameters that stay in the module (the tied embedding, buffers)
+go through Megatron's own ShardedTensors. In fp32 the working weights are the master
+weights and, as in Megatron's FP32Optimizer, no ``fp32_param`` is written.
+
+The optimizer's plain part in ``common.pt`` (step count, parameter groups, loss scaler) has
+the nesting of the optimizer a plain run builds (Megatron's FP32Optimizer, or its
+Float16OptimizerWithFloat16Params under --bf16 / --fp16), so a plain run's
+``optimizer.load_state_dict`` takes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                      ShardedTensorFactory, apply_factories)
+
+from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.optim.dp_shards import all_reduce_on_backend
+from megatron_snake.optim.unit_params import SHARED, FlatLayout
+from megatron_snake.training.dcp_stream import fragment_sharded_tensors, stream_save
+
+# our optimizer state names -> Megatron's
+MEGATRON_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one ShardedTensor's elements are: ``state`` ("weights" or an optimizer state)
+    of layout ``layout``, elements [lo, hi) of this rank's flat shard of it."""
+
+    layout: object
+    state: str
+    lo: int
+    hi: int
+
+
+@contextlib.contextmanager
+def _shaped_placeholders(layouts: list[FlatLayout]):
+    """Each offloaded parameter, for the duration, a tensor of its real shape that holds one
+    element (a broadcast), so that Megatron's ``sharded_state_dict()`` can describe it."""
+    kept = [(seg.param, seg.param.data, seg.shape) for lay in layouts for seg in lay.segments]
+    for param, data, shape in kept:
+        param.data = torch.empty(1, dtype=data.dtype, device=data.device).expand(shape)
+    try:
+        yield
+    finally:
+        for param, data, _ in kept:
+            param.data = data
+
+
+def _pieces(entry, shape: tuple, dtype: torch.dtype) -> list[tuple[ShardedTensor, int]]:
+    """(ShardedTensor with meta ``.data``, first flat element) of each part of a parameter
+    that the model's ``sharded_state_dict()`` entry describes: the whole, or the parts a
+    factory cuts it into (SwiGLU's fc1 weight: its gate and up halves, each contiguous)."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    parts = entry.build_fn(entry.key, meta, entry.replica_id, None) \
+        if isinstance(entry, ShardedTensorFactory) else [replace(entry, data=meta)]
+    out, first = [], 0
+    for part in parts:
+        out.append((part, first))
+        first += math.prod(part.local_shape)
+    return out
+
+
+def model_sharded_tensors(run) -> tuple[dict, dict]:
+    """The model's ``sharded_state_dict()`` without the offloaded parameters, and
+    {id(parameter): ``_pieces``} for every parameter in it."""
+    gpt, params = unwrap_model(run.model), run.offloaded.weights.params
+    offloaded = {id(seg.param) for lay in params.units for seg in lay.segments}
+    pieces, resident = {}, {}
+    with _shaped_placeholders(params.units):
+        for name, entry in gpt.sharded_state_dict().items():
+            if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+                pieces[id(entry.data)] = _pieces(entry, tuple(entry.data.shape),
+                                                 entry.data.dtype)
+                if id(entry.data) in offloaded:
+                    continue
+            resident[name] = entry
+    return resident, pieces
+
+
+def layout_fragments(run, lay: FlatLayout, pieces: dict, *, with_weights: bool,
+                     with_optimizer: bool) -> list[tuple[ShardedTensor, Piece]]:
+    """This rank's element range of layout ``lay`` as ShardedTensors under Megatron's keys:
+    its working weights (a unit's; the shared layout's are resident) and, with
+    ``with_optimizer``, its master weights (16-bit runs) and moments."""
+    args, weights = run.args, run.offloaded.weights
+    start, end, _ = weights.dp.shard(lay.numel)
+    states = (["weights"] if with_weights and lay.key != SHARED else []) + (
+        ["exp_avg", "exp_avg_sq"] + (["master"] if args.bf16 or args.fp16 else [])
+        if with_optimizer else [])
+    out = []
+    for seg in lay.segments:
+        if seg.param is None or id(seg.param) not in pieces:
+            raise RuntimeError(f"{seg.name} has no entry in the model's sharded_state_dict(): "
+                               "torch_dist cannot name it")
+        for part, first in pieces[id(seg.param)]:
+            # this rank's elements of the part, relative to the part
+            part_start = seg.offset + first
+            lo = max(start, part_start) - part_start
+            hi = min(end, part_start + math.prod(part.local_shape)) - part_start
+            if lo >= hi:
+                continue
+            for state in states:
+                key = part.key if state == "weights" else \
+                    f"optimizer.state.{MEGATRON_NAMES[state]}.{part.key}"
+                dtype = args.params_dtype if state == "weights" else torch.float32
+                for fragment, a, b in fragment_sharded_tensors(key, part, lo, hi, dtype):
+                    out.append((fragment, Piece(lay.key, state, part_start + a - start,
+                                                part_start + b - start)))
+    return out
+
+
+def optimizer_common(run) -> dict:
+    """The plain part of the optimizer's state, nested as a plain run's optimizer nests it:
+    the step count, Megatron's two parameter groups and the fp16 loss scaler."""
+    args, optimizer = run.args, run.optimizer
+    groups = [{"wd_mult": g["wd_mult"], "lr_mult": 1.0, "is_expert_parallel": False,
+               "is_decoupled_lr": False, "default_config": True, "max_lr": args.lr,
+               "min_lr": args.min_lr, "lr": g["lr"], "betas": (args.adam_beta1, args.adam_beta2),
+               "eps": args.adam_eps, "weight_decay": g["weight_decay"], "amsgrad": False,
+               "maximize": False, "foreach": None, "capturable": False,
+               "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+              for g in optimizer.param_groups]
+    inner = {"state": {"common_step": torch.tensor(float(optimizer.iteration))},
+             "param_groups": groups}
+    if not (args.bf16 or args.fp16):
+        return inner                                   # FP32Optimizer
+    common = {"optimizer": inner}                      # Float16OptimizerWithFloat16Params
+    if optimizer.grad_scaler is not None:
+        common["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    return common
+
+
+def saved_step(common: dict) -> tuple[int, dict | None]:
+    """(the optimizer's step count, the loss scaler's state or None) from ``common.pt``'s
+    "optimizer" entry, of either nesting."""
+    inner = common.get("optimizer", common)
+    try:
+        return int(inner["state"]["common_step"]), common.get("grad_scaler")
+    except (KeyError, TypeError):
+        raise KeyError("optimizer step count (optimizer.state.common_step)") from None
+
+
+def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict) -> None:
+    """Write the run's state into ``directory`` (collective): the resident model tensors,
+    ``extra`` (ShardedObjects such as the RNG state), every layout's fragments (read from
+    its tier one layout at a time) and ``common``, with the optimizer's plain part added."""
+    weights = run.offloaded.weights
+    weights.sync_resident()
+    resident, pieces = model_sharded_tensors(run)
+    apply_factories(resident)   # (the load merges them back itself)
+    layouts = weights.params.all_layouts()
+    fragments = [pair for lay in layouts for pair in layout_fragments(
+        run, lay, pieces, with_weights=True, with_optimizer=with_optimizer)]
+    pieces = {(sh.key, tuple(sh.global_offset)): piece for sh, piece in fragments}
+    position = {lay.key: i for i, lay in enumerate(layouts)}
+    cache: dict = {}
+
+    def produce(key, offsets, sizes, dtype):
+        piece = pieces[(key, offsets)]
+        if piece.layout not in cache:   # one layout's state in memory at a time
+            cache.clear()
+            cache[piece.layout] = weights.unit_state(piece.layout, optimizer=with_optimizer)
+        return cache[piece.layout][piece.state][piece.lo:piece.hi]
+
+    if with_optimizer:
+        common = dict(common, optimizer=optimizer_common(run))
+    stream_save({"model": resident, "fragments": [sh for sh, _ in fragments], **extra}, common,
+                directory, produce, is_lazy=lambda key, offsets: (key, offsets) in pieces,
+                order=lambda key, offsets: position[pieces[(key, offsets)].layout]
+                if (key, offsets) in pieces else -1)
+    cache.clear()
+
+
+def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
+         strategies: dict) -> dict:
+    """Load ``iter_dir`` (a torch_dist checkpoint of either kind of run, any layout) into
+    the offloaded run: the resident model tensors, ``extra`` and the shared layout's
+    optimizer state in one collective load, then each unit in its own, one at a time.
+    Returns the loaded ``extra``."""
+    weights, gpt = run.offloaded.weights, unwrap_model(run.model)
+    resident, pieces = model_sharded_tensors(run)
+    # Megatron's per-layer extra state is empty here (no Transformer Engine): not read
+    resident = {k: v for k, v in resident.items() if not isinstance(v, ShardedObject)}
+    shared = weights.params.shared
+    first = layout_fragments(run, shared, pieces, with_weights=False,
+                             with_optimizer=with_optimizer) if shared.segments else []
+    state = _buffers(run, shared, first)
+    loaded = _load(iter_dir, {"model": resident, "fragments": _targets(first, state),
+                              **extra}, strategies)
+    # (Megatron's load drops the entries that held nothing: a stage without resident state)
+    _fill(state, first, loaded.get("fragments", []))
+    weights.load_resident_state_dict(gpt, loaded.get("model", {}))
+    if first:
+        if "master" not in state:   # fp32: the (resident) weights are the masters
+            start, end = state["shard"]
+            state["master"] = shared.gather(device="cpu", dtype=torch.float32)[start:end]
+        for handle in run.optimizer.load_layout_state(SHARED, state):
+            handle.wait()
+    units = weights.params.units
+    # every load is collective: a stage with fewer units joins the others' with nothing
+    rounds = all_reduce_on_backend(torch.tensor([len(units)]), group=None,
+                                   op=dist.ReduceOp.MAX)
+    for index in range(int(rounds)):
+        if index >= len(units):
+            _load(iter_dir, {}, strategies)
+            continue
+        lay = units[index]
+        pairs = layout_fragments(run, lay, pieces, with_weights=True,
+                                 with_optimizer=with_optimizer)
+        state = _buffers(run, lay, pairs)
+        _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)},
+                                  strategies).get("fragments", []))
+        if with_optimizer and "master" not in state:   # fp32: the weights are the masters
+            state["master"] = state["weights"].float()
+        weights.load_unit_state(lay.key, state, optimizer=with_optimizer)
+        del state
+    return {k: loaded[k] for k in extra}
+
+
+def _buffers(run, lay: FlatLayout, pairs) -> dict:
+    """Flat buffers for this rank's shard of each state ``pairs`` names, with the entries
+    ``OffloadedUnits.load_unit_state`` checks."""
+    weights = run.offloaded.weights
+    start, end, _ = weights.dp.shard(lay.numel)
+    state = {"numel": lay.numel, "shard": [start, end],
+             "segments": [[s.name, list(s.shape), s.offset, s.numel] for s in lay.segments]}
+    for _, piece in pairs:
+        if piece.state not in state:
+            dtype = run.args.params_dtype if piece.state == "weights" else torch.float32
+            state[piece.state] = torch.empty(end - start, dtype=dtype)
+    return state
+
+
+def _targets(pairs, state: dict) -> list[ShardedTensor]:
+    for fragment, piece in pairs:   # load targets: views of the flat buffers
+        fragment.data = state[piece.state][piece.lo:piece.hi].view(fragment.local_shape)
+    return [fragment for fragment, _ in pairs]
+
+
+def _fill(state: dict, pairs, tensors: list) -> None:
+    for (_, piece), tensor in zip(pairs, tensors):
+        target = state[piece.state][piece.lo:piece.hi]
+        if tensor.data_ptr() != target.data_ptr():
+            target.copy_(tensor.reshape(-1))
+
+
+def _load(iter_dir: str, sharded: dict, strategies: dict) -> dict:
+    return dist_checkpointing.load(sharded, iter_dir, **strategies)
