@@ -136,9 +136,9 @@ def test_torch_dist_reads_each_layout_once_and_never_the_whole_model(megatron_wo
     held: list = []
     real_unit_state, real_load = OffloadedUnits.unit_state, OffloadedUnits.load_unit_state
 
-    def unit_state(self, key, optimizer=True):
+    def unit_state(self, key, optimizer=True, **kwargs):
         assert not [r for r in held if r() is not None], "the previous layout is held"
-        entry = real_unit_state(self, key, optimizer)
+        entry = real_unit_state(self, key, optimizer, **kwargs)
         held[:] = [weakref.ref(v) for v in entry.values() if torch.is_tensor(v)]
         calls["save"].append(key)
         return entry

@@ -89,6 +89,35 @@ def test_a_checkpoint_loads_into_another_layout_and_kind_of_run(tmp_path, saved_
         assert abs(a - b) <= tolerance * abs(a), (same, one)
 
 
+def test_a_padded_vocabulary_that_changes_with_tp_loads_into_both_kinds_of_run(tmp_path):
+    """Vocabulary 600: padded to 768 rows at TP = 2, 640 at TP = 1 (Megatron's
+    allow_shape_mismatch: the rows both have are read). Saved offloaded at TP = 2, loaded
+    at TP = 1 with and without --snake-offload: the two read the same values (their losses
+    agree) and train on."""
+    flags = [*FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "600"]
+    ckpt = str(tmp_path / "ckpt")
+    _losses(*flags, *TP2, *SNAKE, "--train-iters", "4", "--save", ckpt, nproc=2)
+    keep = "--use-checkpoint-opt_param-scheduler"
+    plain = _losses(*flags, "--train-iters", "6", "--load", ckpt, keep)
+    snake = _losses(*flags, *SNAKE, "--train-iters", "6", "--load", ckpt, keep)
+    assert len(plain) == len(snake) == 2
+    for a, b in zip(plain, snake):
+        assert abs(a - b) <= 1e-5 * abs(a), (plain, snake)
+
+
+def test_a_tensor_this_model_has_and_the_checkpoint_lacks_is_named(megatron_world, tmp_path):
+    """RMSNorm saved (no norm biases), LayerNorm loaded: the missing key, and no advice to
+    drop the optimizer state."""
+    root = tmp_path / "rms"
+    pretrain(parse_args([*FLAGS, "--train-iters", "2", "--save", str(root),
+                         "--normalization", "RMSNorm"]))
+    with pytest.raises(ValueError, match=r"lacks decoder\.\S+_bias: is it a checkpoint of "
+                                         r"this model\?$") as caught:
+        pretrain(parse_args([*FLAGS, "--train-iters", "4", "--load", str(root)]))
+    assert len(str(caught.value)) < 500, "not every key of the checkpoint"
+
+
 def test_torch_dist_is_the_default_except_under_zenflow():
     assert parse_args([]).ckpt_format == "torch_dist"
     assert parse_args(["--snake-offload"]).ckpt_format == "torch_dist"

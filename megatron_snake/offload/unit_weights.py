@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from megatron_snake.optim.adamw import STATES
 from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
 from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import UnitStore
@@ -252,15 +253,15 @@ class OffloadedUnits(UnitStore):
             handle.wait()
         return shard
 
-    def unit_state(self, key, optimizer: bool = True) -> dict:
+    def unit_state(self, key, optimizer: bool = True, states=STATES) -> dict:
         """Layout ``key``'s checkpoint entry, read from its tier: this rank's shard of its
-        fp32 master weights and moments (``OffloadedAdamW.layout_state``) and, for a unit,
-        of its working weights ("weights"; the shared weights are resident, in
-        ``resident_state_dict``), with the layout's size, this rank's element range
-        ("shard") and its parameters as [name, shape, offset, numel]."""
+        fp32 master weights and moments (``OffloadedAdamW.layout_state``; ``states`` of
+        them) and, for a unit, of its working weights ("weights"; the shared weights are
+        resident, in ``resident_state_dict``), with the layout's size, this rank's element
+        range ("shard") and its parameters as [name, shape, offset, numel]."""
         lay = self._layout(key)
-        if optimizer:
-            state = self.optimizer.layout_state(key)   # waits for the layout's update
+        if optimizer and states:
+            state = self.optimizer.layout_state(key, states)   # waits for the update
         else:
             self.optimizer.finish_update(key)          # the weights saved are updated ones
             state = {}

@@ -385,14 +385,15 @@ class OffloadedAdamW(HostAdamW):
             state["layouts"] = {key: self.layout_state(key) for key in self.layouts}
         return state
 
-    def layout_state(self, key) -> dict:
+    def layout_state(self, key, names=STATES) -> dict:
         """This rank's shard of layout ``key``'s fp32 master weights and both moments
-        ({name: flat shard}), read back from their tier once its pending update is applied."""
+        ({name: flat shard}; ``names`` of them), read back from their tier once its pending
+        update is applied."""
         self.finish_update(key)
         start, end, _ = self.dp.shard(self.layouts[key].numel)
-        state = {name: torch.empty(end - start, dtype=torch.float32) for name in STATES}
+        state = {name: torch.empty(end - start, dtype=torch.float32) for name in names}
         handles = [self.store.get((name, key, part), out=state[name][lo - start:hi - start])
-                   for name in STATES
+                   for name in names
                    for part, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key])) if hi > lo]
         for handle in handles:
             handle.wait()

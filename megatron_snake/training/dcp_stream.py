@@ -19,6 +19,7 @@ tensor, which Megatron 0.16 accepts as an irregular grid (it refuses ``flattened
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -38,6 +39,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
+
+from megatron_snake.optim.dp_shards import all_reduce_on_backend
 
 # (fqn, global offsets, sizes, dtype) -> a CPU tensor of those sizes
 Produce = Callable[[str, tuple, tuple, torch.dtype], torch.Tensor]
@@ -107,14 +110,10 @@ class StreamingWriter(FileSystemWriter):
                         data = data.detach().cpu()
                         if data.untyped_storage().nbytes() != data.nbytes:
                             data = data.clone()   # torch.save writes a view's whole storage
-                    try:
+                    with stream.reported():
                         results.append(dcp_filesystem._write_item(
                             self.transforms, stream, data, item, storage_key,
                             dcp_filesystem.SerializationFormat.TORCH_SAVE))
-                    except RuntimeError as exc:   # torch.save's own words for a failed write
-                        if stream.error is None:
-                            raise
-                        raise stream.error from exc
                     del data
                 os.fsync(file.fileno())
         done = Future()
@@ -139,6 +138,16 @@ class _WriteErrors:
     def __getattr__(self, name):
         return getattr(self._file, name)
 
+    @contextlib.contextmanager
+    def reported(self):
+        """torch.save's RuntimeError for a failed write, raised as the OSError itself."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.error is None:
+                raise
+            raise self.error from exc
+
 
 def stream_save(sharded: dict, common: dict, directory: str, produce: Produce | None = None,
                 is_lazy: Callable[[str, tuple], bool] = lambda key, offsets: False,
@@ -148,15 +157,41 @@ def stream_save(sharded: dict, common: dict, directory: str, produce: Produce | 
     ``dist_checkpointing.save`` would (collective). Without ``produce`` every tensor is
     written as it is (a run that holds its model)."""
     check_torch_sites()
-    # what dist_checkpointing.save checks: every element saved by exactly one main replica
+    # what dist_checkpointing.save checks on regular grids (DCP's own plan check covers the
+    # boxes: each element saved once)
     validate_sharding_integrity(determine_global_metadata(sharded)[1])
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
     dcp.save(mcore_to_pyt_state_dict(flat, False), storage_writer=StreamingWriter(directory),
              planner=LazySavePlanner(produce, is_lazy, order))
+    error = None
     if dist.get_rank() == 0:
-        torch.save(common, os.path.join(directory, "common.pt"))
-        save_config(CheckpointingConfig("torch_dist", 1), directory)   # last: marks it whole
-    dist.barrier()
+        try:
+            _write_durably(os.path.join(directory, "common.pt"), lambda f: torch.save(common, f))
+            save_config(CheckpointingConfig("torch_dist", 1), directory)   # last: marks it whole
+            _write_durably(os.path.join(directory, "metadata.json"), None)
+        except Exception as exc:   # noqa: BLE001 (reported on every rank below)
+            error = exc
+    # every rank learns whether rank 0's files made it (none waits for a rank that failed)
+    failed = all_reduce_on_backend(torch.tensor([float(error is not None)]), group=None)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError(f"rank 0 failed to write common.pt / metadata.json in {directory}: "
+                           "its log has the cause")
+
+
+def _write_durably(path: str, write) -> None:
+    """``write(file)`` into ``path`` (when given), and the file fsynced."""
+    if write is not None:
+        with open(path, "wb") as f:
+            stream = _WriteErrors(f)
+            with stream.reported():
+                write(stream)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def flat_range_boxes(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple]]:
@@ -201,7 +236,9 @@ def fragment_sharded_tensors(key: str, model_sh: ShardedTensor, lo: int, hi: int
             local_shape=shape, global_shape=model_sh.global_shape,
             global_offset=tuple(model_sh.global_offset[:stacked]) + tuple(
                 g + o for g, o in zip(model_sh.global_offset[stacked:], offset)),
-            axis_fragmentations=None, replica_id=replica, prepend_axis_num=0),
+            axis_fragmentations=None, replica_id=replica, prepend_axis_num=0,
+            # a padded vocabulary differs between TP sizes: Megatron reads what overlaps
+            allow_shape_mismatch=model_sh.allow_shape_mismatch),
             start, start + math.prod(size)))
         start += math.prod(size)
     return out

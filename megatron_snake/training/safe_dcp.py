@@ -1,11 +1,12 @@
 """Reading Megatron's distributed checkpoints (``--ckpt-format torch_dist``) without running
 anything stored in them.
 
-Megatron-Core's loader goes through three readers that unpickle arbitrary objects:
-torch's ``FileSystemReader.read_metadata`` (plain ``pickle.load`` of ``.metadata``), the
-load planner's ``load_bytes`` (``torch.load(weights_only=False)`` of every ShardedObject) and
-``common.pt`` (``torch.load`` under torch's process-wide allowlist, which importing
-megatron.core widens to some thirty classes). This module replaces each with a reader that
+Megatron-Core's loader goes through four readers that unpickle more than tensors and plain
+values: torch's ``FileSystemReader.read_metadata`` (plain ``pickle.load`` of ``.metadata``),
+the load planner's ``load_bytes`` (``torch.load(weights_only=False)`` of every
+ShardedObject), and ``common.pt`` and the tensor chunks (``torch.load(weights_only=True)``,
+but under torch's process-wide allowlist, which importing megatron.core widens to some
+thirty classes). This module replaces each with a reader that
 accepts only what a checkpoint of tensors and plain values needs, and plugs them into
 Megatron's own ``dist_checkpointing.load`` through its strategy arguments:
 
@@ -93,6 +94,12 @@ def load_plain(source, what: str):
 
 
 class _SafeReader(FileSystemReader):
+    def read_data(self, plan, planner):
+        # the tensor chunks are read with weights_only=True: under torch's own allowlist,
+        # not the one megatron.core widened
+        with only_safe_globals(()):
+            return super().read_data(plan, planner)
+
     def read_metadata(self, *args, **kwargs):
         metadata = read_metadata(os.path.join(self.path, ".metadata"))
         metadata.storage_meta = metadata.storage_meta or StorageMeta()

@@ -193,8 +193,9 @@ def _first_cause():
 
 @contextlib.contextmanager
 def _refusals(root: str, iter_dir: str):
-    """Re-raise the refusal of an unsafe object as it is, and a missing key with what to
-    pass instead."""
+    """One error naming --load for what DCP gathered from the ranks: the refusal of an
+    unsafe object as it is, a missing key with what to pass instead, anything else (a
+    shape that does not match) with its own words."""
     try:
         yield
     except CheckpointException as exc:
@@ -202,10 +203,15 @@ def _refusals(root: str, iter_dir: str):
         unsafe = [e for e in causes if isinstance(e, UnsafeCheckpointError)]
         if unsafe:
             raise unsafe[0] from None
-        missing = next((str(e) for e in causes if isinstance(e, KeyError)), None)
-        if missing is None:
+        if not causes:
             raise
-        advice = ("pass --no-load-optim (it was saved by another optimizer)"
-                  if "optimizer" in missing else "pass --no-load-rng" if RNG_KEY in missing
-                  else "is it a checkpoint of this model?")
-        raise ValueError(f"--load {root}: {iter_dir} lacks {missing}: {advice}") from None
+        missing = next((e for e in causes if isinstance(e, KeyError)), None)
+        if missing is None:
+            raise ValueError(f"--load {root}: {iter_dir} does not fit this run: "
+                             f"{causes[0]}") from causes[0]
+        # Megatron's message: "<key> from model not in state dict: <every key saved>"
+        key = str(missing).strip("'\"").split(" from model not in state dict")[0]
+        advice = ("pass --no-load-optim (it was saved without, or by another optimizer)"
+                  if key.startswith("optimizer.") else "pass --no-load-rng"
+                  if key.startswith(RNG_KEY) else "is it a checkpoint of this model?")
+        raise ValueError(f"--load {root}: {iter_dir} lacks {key}: {advice}") from None

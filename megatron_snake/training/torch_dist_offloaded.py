@@ -42,9 +42,9 @@ MEGATRON_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "f
 @dataclass(frozen=True)
 class Piece:
     """Where one ShardedTensor's elements are: ``state`` ("weights" or an optimizer state)
-    of layout ``layout``, elements [lo, hi) of this rank's flat shard of it."""
+    of the layout keyed ``key``, elements [lo, hi) of this rank's flat shard of it."""
 
-    layout: object
+    key: object
     state: str
     lo: int
     hi: int
@@ -64,7 +64,7 @@ def _shaped_placeholders(layouts: list[FlatLayout]):
             param.data = data
 
 
-def _pieces(entry, shape: tuple, dtype: torch.dtype) -> list[tuple[ShardedTensor, int]]:
+def _parts(entry, shape: tuple, dtype: torch.dtype) -> list[tuple[ShardedTensor, int]]:
     """(ShardedTensor with meta ``.data``, first flat element) of each part of a parameter
     that the model's ``sharded_state_dict()`` entry describes: the whole, or the parts a
     factory cuts it into (SwiGLU's fc1 weight: its gate and up halves, each contiguous)."""
@@ -80,37 +80,44 @@ def _pieces(entry, shape: tuple, dtype: torch.dtype) -> list[tuple[ShardedTensor
 
 def model_sharded_tensors(run) -> tuple[dict, dict]:
     """The model's ``sharded_state_dict()`` without the offloaded parameters, and
-    {id(parameter): ``_pieces``} for every parameter in it."""
+    {id(parameter): ``_parts``} for every parameter in it."""
     gpt, params = unwrap_model(run.model), run.offloaded.weights.params
     offloaded = {id(seg.param) for lay in params.units for seg in lay.segments}
-    pieces, resident = {}, {}
+    parts, resident = {}, {}
     with _shaped_placeholders(params.units):
         for name, entry in gpt.sharded_state_dict().items():
             if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
-                pieces[id(entry.data)] = _pieces(entry, tuple(entry.data.shape),
-                                                 entry.data.dtype)
+                parts[id(entry.data)] = _parts(entry, tuple(entry.data.shape), entry.data.dtype)
                 if id(entry.data) in offloaded:
                     continue
             resident[name] = entry
-    return resident, pieces
+    return resident, parts
 
 
-def layout_fragments(run, lay: FlatLayout, pieces: dict, *, with_weights: bool,
+def states_saved(args, with_optimizer: bool) -> tuple[str, ...]:
+    """The optimizer states a checkpoint holds: the moments and, in 16-bit runs, the fp32
+    master weights (in fp32 the working weights are the masters, as in Megatron's
+    FP32Optimizer)."""
+    if not with_optimizer:
+        return ()
+    return ("exp_avg", "exp_avg_sq") + (("master",) if args.bf16 or args.fp16 else ())
+
+
+def layout_fragments(run, lay: FlatLayout, parts: dict, *, with_weights: bool,
                      with_optimizer: bool) -> list[tuple[ShardedTensor, Piece]]:
     """This rank's element range of layout ``lay`` as ShardedTensors under Megatron's keys:
     its working weights (a unit's; the shared layout's are resident) and, with
     ``with_optimizer``, its master weights (16-bit runs) and moments."""
     args, weights = run.args, run.offloaded.weights
     start, end, _ = weights.dp.shard(lay.numel)
-    states = (["weights"] if with_weights and lay.key != SHARED else []) + (
-        ["exp_avg", "exp_avg_sq"] + (["master"] if args.bf16 or args.fp16 else [])
-        if with_optimizer else [])
+    states = (("weights",) if with_weights and lay.key != SHARED else ()) + \
+        states_saved(args, with_optimizer)
     out = []
     for seg in lay.segments:
-        if seg.param is None or id(seg.param) not in pieces:
+        if id(seg.param) not in parts:
             raise RuntimeError(f"{seg.name} has no entry in the model's sharded_state_dict(): "
                                "torch_dist cannot name it")
-        for part, first in pieces[id(seg.param)]:
+        for part, first in parts[id(seg.param)]:
             # this rank's elements of the part, relative to the part
             part_start = seg.offset + first
             lo = max(start, part_start) - part_start
@@ -164,28 +171,29 @@ def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict
     its tier one layout at a time) and ``common``, with the optimizer's plain part added."""
     weights = run.offloaded.weights
     weights.sync_resident()
-    resident, pieces = model_sharded_tensors(run)
+    resident, parts = model_sharded_tensors(run)
     apply_factories(resident)   # (the load merges them back itself)
     layouts = weights.params.all_layouts()
     fragments = [pair for lay in layouts for pair in layout_fragments(
-        run, lay, pieces, with_weights=True, with_optimizer=with_optimizer)]
-    pieces = {(sh.key, tuple(sh.global_offset)): piece for sh, piece in fragments}
+        run, lay, parts, with_weights=True, with_optimizer=with_optimizer)]
+    where = {(sh.key, tuple(sh.global_offset)): piece for sh, piece in fragments}
     position = {lay.key: i for i, lay in enumerate(layouts)}
+    states = states_saved(run.args, with_optimizer)
     cache: dict = {}
 
     def produce(key, offsets, sizes, dtype):
-        piece = pieces[(key, offsets)]
-        if piece.layout not in cache:   # one layout's state in memory at a time
+        piece = where[(key, offsets)]
+        if piece.key not in cache:   # one layout's state in memory at a time
             cache.clear()
-            cache[piece.layout] = weights.unit_state(piece.layout, optimizer=with_optimizer)
-        return cache[piece.layout][piece.state][piece.lo:piece.hi]
+            cache[piece.key] = weights.unit_state(piece.key, states=states)
+        return cache[piece.key][piece.state][piece.lo:piece.hi]
 
     if with_optimizer:
         common = dict(common, optimizer=optimizer_common(run))
     stream_save({"model": resident, "fragments": [sh for sh, _ in fragments], **extra}, common,
-                directory, produce, is_lazy=lambda key, offsets: (key, offsets) in pieces,
-                order=lambda key, offsets: position[pieces[(key, offsets)].layout]
-                if (key, offsets) in pieces else -1)
+                directory, produce, is_lazy=lambda key, offsets: (key, offsets) in where,
+                order=lambda key, offsets: position[where[(key, offsets)].key]
+                if (key, offsets) in where else -1)
     cache.clear()
 
 
@@ -196,24 +204,25 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
     optimizer state in one collective load, then each unit in its own, one at a time.
     Returns the loaded ``extra``."""
     weights, gpt = run.offloaded.weights, unwrap_model(run.model)
-    resident, pieces = model_sharded_tensors(run)
+    resident, parts = model_sharded_tensors(run)
     # Megatron's per-layer extra state is empty here (no Transformer Engine): not read
     resident = {k: v for k, v in resident.items() if not isinstance(v, ShardedObject)}
     shared = weights.params.shared
-    first = layout_fragments(run, shared, pieces, with_weights=False,
+    pairs = layout_fragments(run, shared, parts, with_weights=False,
                              with_optimizer=with_optimizer) if shared.segments else []
-    state = _buffers(run, shared, first)
-    loaded = _load(iter_dir, {"model": resident, "fragments": _targets(first, state),
+    state = _buffers(run, shared, pairs, with_optimizer)
+    loaded = _load(iter_dir, {"model": resident, "fragments": _targets(pairs, state),
                               **extra}, strategies)
     # (Megatron's load drops the entries that held nothing: a stage without resident state)
-    _fill(state, first, loaded.get("fragments", []))
+    _fill(state, pairs, loaded.get("fragments", []))
     weights.load_resident_state_dict(gpt, loaded.get("model", {}))
-    if first:
+    if pairs:
         if "master" not in state:   # fp32: the (resident) weights are the masters
-            start, end = state["shard"]
-            state["master"] = shared.gather(device="cpu", dtype=torch.float32)[start:end]
+            state["master"] = _resident_shard(shared, *state["shard"])
         for handle in run.optimizer.load_layout_state(SHARED, state):
             handle.wait()
+    result = {k: loaded[k] for k in extra}
+    del loaded, pairs, state   # before the units' buffers
     units = weights.params.units
     # every load is collective: a stage with fewer units joins the others' with nothing
     rounds = all_reduce_on_backend(torch.tensor([len(units)]), group=None,
@@ -223,29 +232,37 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
             _load(iter_dir, {}, strategies)
             continue
         lay = units[index]
-        pairs = layout_fragments(run, lay, pieces, with_weights=True,
+        pairs = layout_fragments(run, lay, parts, with_weights=True,
                                  with_optimizer=with_optimizer)
-        state = _buffers(run, lay, pairs)
+        state = _buffers(run, lay, pairs, with_optimizer)
         _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)},
                                   strategies).get("fragments", []))
         if with_optimizer and "master" not in state:   # fp32: the weights are the masters
             state["master"] = state["weights"].float()
         weights.load_unit_state(lay.key, state, optimizer=with_optimizer)
-        del state
-    return {k: loaded[k] for k in extra}
+        del state, pairs
+    return result
 
 
-def _buffers(run, lay: FlatLayout, pairs) -> dict:
-    """Flat buffers for this rank's shard of each state ``pairs`` names, with the entries
-    ``OffloadedUnits.load_unit_state`` checks."""
+def _resident_shard(lay: FlatLayout, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a resident layout's parameters, flat, fp32, on the CPU."""
+    return torch.cat([seg.param.detach().reshape(-1)[span.start - seg.offset:
+                                                     span.stop - seg.offset].float().cpu()
+                      for seg, span in lay.pieces(start, end)] or [torch.empty(0)])
+
+
+def _buffers(run, lay: FlatLayout, pairs, with_optimizer: bool) -> dict:
+    """Flat buffers, zeroed, for this rank's shard of each state of ``lay`` a load reads
+    (even an empty shard), with the entries ``OffloadedUnits.load_unit_state`` checks.
+    (Zeroed: rows a smaller padded vocabulary did not have stay 0.)"""
     weights = run.offloaded.weights
     start, end, _ = weights.dp.shard(lay.numel)
     state = {"numel": lay.numel, "shard": [start, end],
              "segments": [[s.name, list(s.shape), s.offset, s.numel] for s in lay.segments]}
-    for _, piece in pairs:
-        if piece.state not in state:
-            dtype = run.args.params_dtype if piece.state == "weights" else torch.float32
-            state[piece.state] = torch.empty(end - start, dtype=dtype)
+    names = (("weights",) if lay.key != SHARED else ()) + states_saved(run.args, with_optimizer)
+    for name in names:
+        dtype = run.args.params_dtype if name == "weights" else torch.float32
+        state[name] = torch.zeros(end - start, dtype=dtype)
     return state
 
 
