@@ -41,6 +41,7 @@ from megatron_snake.training.dcp_stream import stream_save
 from megatron_snake.training.checkpointing import UnsafeCheckpointError
 
 CHECKPOINT_VERSION = 3.0
+LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size")   # may differ on load
 RNG_KEY = "snake_rng_state"
 CONFIG_FILE = "metadata.json"     # Megatron writes it last; its presence marks the format
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
@@ -120,9 +121,8 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     if not isinstance(saved_args, argparse.Namespace):
         raise ValueError(f"--load {root}: {iter_dir}/common.pt has no flags (args)")
     # the model's flags must match; the parallel layout may differ (resharding)
-    ckpt.refuse_other_settings(root, vars(saved_args), args, keys=[
-        k for k in ckpt.MUST_MATCH if k not in ("tensor_model_parallel_size",
-                                                "pipeline_model_parallel_size")])
+    ckpt.refuse_other_settings(root, vars(saved_args), args,
+                               keys=[k for k in ckpt.MUST_MATCH if k not in LAYOUT])
     if takes_optimizer and getattr(saved_args, "no_save_optim", False):
         raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
                          "holds no optimizer state; pass --no-load-optim (or --finetune)")
@@ -130,8 +130,7 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
         raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-rng; pass "
                          "--no-load-rng")
     notes = []
-    same_layout = all(getattr(saved_args, k, None) == getattr(args, k) for k in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    same_layout = all(getattr(saved_args, k, None) == getattr(args, k) for k in LAYOUT)
     if takes_rng and not same_layout:
         takes_rng = False   # another layout's ranks have other RNG streams
         notes.append("RNG state not loaded: saved with another tensor / pipeline layout")
