@@ -37,7 +37,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
@@ -46,7 +45,7 @@ import torch  # noqa: E402
 
 import megatron_snake.timeline as timeline  # noqa: E402
 from megatron_snake.models.emulated_compute import emulate_compute  # noqa: E402
-from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # noqa: E402
+from megatron_snake.storage.host_heap import keep_freed_host_memory  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
@@ -129,10 +128,11 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
     args = parse_args(gpt_flags(a, num_mb))
     rows, recorded = [], None
     with build_run(args, device, a.vocab, log=lambda _: None) as run:
-        # The emulated device's memory is host memory: let glibc keep freed activation-sized
-        # blocks for reuse, as a GPU's caching allocator does (a training run returns them
-        # to the OS to bound its RSS, and pays a page fault per fresh block for it).
-        return_freed_memory_to_the_os(threshold_bytes=1 << 30)
+        # The emulated device's memory is host memory: keep what is freed for reuse, as a
+        # GPU's caching allocator does (a training run trims its heap to bound its RSS;
+        # without emulation the run's own policy holds).
+        if emulate and not keep_freed_host_memory():
+            raise SystemExit("the emulated device needs glibc's malloc (mallopt)")
         store = run.tensor_store
         fixed = {"copy": copy_rate(), "adamw": adamw_rate()}
         for step in range(a.warmup + steps):

@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
 from megatron_snake.planner import Hardware  # noqa: E402
-from megatron_snake.storage.host_pool import return_freed_memory_to_the_os  # noqa: E402
+from megatron_snake.storage.host_heap import bound_host_heap  # noqa: E402
 from megatron_snake.storage.safe_files import write_file_atomically  # noqa: E402
 from megatron_snake.training import calibration, distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
@@ -108,9 +108,9 @@ def main(argv=None) -> int:
     tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
-    # as a run does (offloaded_state.open_store): freed unit-sized blocks go back to the OS,
-    # so on the CPU each fresh activation page-faults, in the run and here alike
-    return_freed_memory_to_the_os()
+    # the heap's policy of a run (offloaded_state.open_store): on the CPU, activations are
+    # served by the same allocator settings in the run and here
+    bound_host_heap()
     print("> timing a layer and the output layer on the compute device ...", flush=True)
     rates = device_rates(args, device, vocab)
     print("> the drive through the store, host copies, CPU AdamW ...", flush=True)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
-from megatron_snake.storage.host_pool import return_freed_memory_to_the_os
+from megatron_snake.storage.host_heap import bound_host_heap, keep_heap_trimmed
 from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.storage.temp_dirs import make_temp_offload_dir, sweep_dead_temp_offload_dirs
@@ -55,8 +55,9 @@ def open_store(args, device: torch.device, rank: int):
     if not (args.snake_offload or args.snake_activation_offload):
         yield None
         return
-    # host memory stays bounded only if what a unit frees leaves the process
-    return_freed_memory_to_the_os()
+    # host memory stays bounded only if what a unit frees leaves the process (with the
+    # thread that keep_heap_trimmed starts)
+    bound_host_heap()
     made = None
     if not args.snake_offload_dir:   # what killed runs left in the temporary folder goes first
         sweep_dead_temp_offload_dirs()
@@ -70,7 +71,7 @@ def open_store(args, device: torch.device, rank: int):
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
         distributed.raise_unless_all_ranks_ok(error, "--snake-offload-dir check")
-        with store:
+        with store, keep_heap_trimmed():
             yield store
     finally:
         if made is not None:
