@@ -187,6 +187,26 @@ def test_the_output_layer_runs_at_its_own_rate_in_the_last_stages_backward_sweep
     assert slow.stages[0].sweeps == same.stages[0].sweeps
 
 
+def test_a_compute_device_sharing_the_cores_is_slowed_by_the_drive_beside_it():
+    """io_compute_slowdown stretches each sweep's compute by that share of the time the
+    drive overlaps it (the drive's time, or the stretched compute's if shorter); 0, the
+    default of a profile without the field, changes nothing; a share of 1 is refused."""
+    w = _uniform(1, micro_batches=8)
+    base = predict(w, H100, check=False)
+    for share in (0.25, 0.6):
+        slow = predict(w, H100.with_(io_compute_slowdown=share), check=False)
+        for sweep in ("forward", "backward"):
+            was, now = base.stages[0].sweeps[sweep], slow.stages[0].sweeps[sweep]
+            expected = was["compute"] + share * min(was["drive"], was["compute"] / (1 - share))
+            assert now["compute"] == pytest.approx(expected)
+            assert now["compute"] > was["compute"] and now["drive"] == was["drive"]
+        assert slow.step_time_s > base.step_time_s
+    profile = {k: v for k, v in H100.to_dict().items() if k != "io_compute_slowdown"}
+    assert Hardware.from_dict(profile) == H100 and H100.io_compute_slowdown == 0
+    with pytest.raises(ValueError, match="io_compute_slowdown must be below 1"):
+        H100.with_(io_compute_slowdown=1.0)
+
+
 def _plan(*argv, check=True):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *argv],
                           capture_output=True, text=True, timeout=300)
@@ -226,6 +246,8 @@ def test_calibrate_writes_a_profile_the_planner_predicts_with(tmp_path):
     hw = Hardware.load(str(out))
     assert hw.head_tflops is not None and hw.head_tflops > 0 and hw.device_tflops > 0
     assert hw.device_peak_tflops >= max(hw.device_tflops, hw.head_tflops)
+    # a CPU device shares its cores with the store's I/O (measured here: about half)
+    assert 0 < hw.io_compute_slowdown < 1
     assert "measured by tools/calibrate.py" in hw.source
     pred = json.loads(_plan(*SMALL, "--hardware", str(out), "--json").stdout)
     assert pred["step_time_s"] > 0

@@ -8,8 +8,9 @@ compute device (a 3-layer model of that shape is built; the FLOP/s is Megatron's
 the time, forward + backward = 3 forwards), the output layer with its loss apart (the last
 layer's unit less a middle one: a softmax over the vocabulary runs at its own rate), a dense
 matmul (the peak, for MFU), the drive through the store in --snake-offload-dir (the engine
-the run would use; medians of three 256 MiB passes each way), copies onto the device and
-within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities
+the run would use; medians of three 256 MiB passes each way), the layer again while the
+store keeps the drive busy (the share of compute time the I/O takes: on a CPU device they
+share the cores), copies onto the device and within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities
 are the machine's: device and host memory, the offload drive's size. The profile says where
 every figure came from.
 """
@@ -19,10 +20,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
 import sys
+import threading
 import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -46,7 +49,8 @@ from megatron_snake.training.tokenizer import (  # noqa: E402
     build_tokenizer, padded_vocab_size, tokenizer_flags)
 
 
-def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> tuple[float, float]:
+def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int, repeats: int = 3
+                  ) -> tuple[float, float]:
     """Forward + backward seconds of a decoder layer alone, and of the last layer with the
     output layer and its loss (the middle and the last unit of a 3-layer model of the flags'
     shape), on one micro-batch of ``micro_batch`` x ``seq`` tokens."""
@@ -61,8 +65,8 @@ def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> tuple
     hidden = torch.randn(tokens, micro_batch, args.hidden_size, device=device,
                          dtype=args.params_dtype, requires_grad=True)
     ctx = units.context(batch)
-    return (calibration.unit_seconds(units, 1, hidden, ctx)[1],
-            calibration.unit_seconds(units, 2, hidden, ctx)[1])
+    return (calibration.unit_seconds(units, 1, hidden, ctx, repeats)[1],
+            calibration.unit_seconds(units, 2, hidden, ctx, repeats)[1])
 
 
 def device_rates(args, device, vocab: int) -> dict:
@@ -81,6 +85,32 @@ def device_rates(args, device, vocab: int) -> dict:
     head = 3 * output_layer_flops(args, vocab) / max(last - layer, 1e-9) / 1e12
     return {"device_tflops": achieved, "head_tflops": min(head, peak),
             "device_peak_tflops": peak, "unit_overhead_s": overhead}
+
+
+def io_compute_slowdown(args, device, vocab: int, store, seconds: float = 0.3,
+                        rounds: int = 3) -> float:
+    """The share of a layer's forward + backward time that the store's drive I/O takes from
+    it while both run (they share the host's cores: on a CPU device, most of them): the
+    median over ``rounds`` of a timing alone then beside the I/O, each the median of enough
+    passes to last about ``seconds``."""
+    def layer(repeats):
+        return _unit_seconds(args, device, vocab, args.seq_length, args.micro_batch_size,
+                             repeats)[0]
+
+    def beside_io(repeats):
+        stop = threading.Event()
+        io = threading.Thread(target=calibration.keep_drive_busy, args=(store, stop),
+                              name="calibrate-io", daemon=True)
+        io.start()
+        try:
+            return layer(repeats)
+        finally:
+            stop.set()
+            io.join()
+
+    repeats = min(200, max(3, math.ceil(seconds / layer(3))))
+    shares = [1 - layer(repeats) / beside_io(repeats) for _ in range(rounds)]
+    return max(0.0, statistics.median(shares))
 
 
 def memory_bytes(device) -> tuple[int, int]:
@@ -119,6 +149,8 @@ def main(argv=None) -> int:
         drive_read = statistics.median(r["read"] for r in passes)
         drive_write = statistics.median(r["write"] for r in passes)
         capacity = os.statvfs(store.dir.path)
+        print("> a layer beside the drive's I/O ...", flush=True)
+        rates["io_compute_slowdown"] = io_compute_slowdown(args, device, vocab, store)
         engine = getattr(store.engine, "name", type(store.engine).__name__)
     host_copy = calibration.copy_rate()
     pcie = calibration.copy_rate(device=device) if device.type == "cuda" else host_copy

@@ -5,7 +5,8 @@ Per pipeline stage and sweep, each resource's busy time: device compute (with th
 tensor-parallel all-reduces, which it waits for), copies between the device and the store,
 host-memory copies inside the store, the drive (reads and writes share it), the CPU AdamW
 and the data-parallel collectives. They overlap, so a sweep takes the busiest of them, plus
-the first unit's weight read, which nothing hides. Read-ahead moves the optimizer state's
+the first unit's weight read, which nothing hides; a compute device that shares the host's
+cores (the CPU) is slowed by the drive's I/O beside it, by a measured share. Read-ahead moves the optimizer state's
 reads from the forward sweep into the backward sweep's drive slack, as the runtime does
 (docs/overlap.md). A stage's time is its sweeps over all snake groups plus its pipeline
 sends; the step is the slowest stage's time stretched by the bubble, (M/G + p - 1) / (M/G)
@@ -278,7 +279,7 @@ def _read_ahead(w: Workload, hw: Hardware, sweeps: dict, traffic: dict) -> None:
     memory), as OffloadedAdamW.read_ahead_state does."""
     if w.optimizer_tier != "nvme":
         return
-    fwd, bwd = sweeps["forward"], sweeps["backward"]
+    bwd = sweeps["backward"]
     slack = max(r for k, r in bwd.items() if k in RESOURCES) - bwd["drive"]
     read = traffic["forward"].by_kind.get("optim", {}).get("nvme", [0, 0])[0]
     drive_r = hw.drive_read_Bps / _gpus_on_a_node(w, hw)
@@ -294,11 +295,22 @@ def _read_ahead(w: Workload, hw: Hardware, sweeps: dict, traffic: dict) -> None:
         sweeps[sweep]["host"] += moved / hw.host_copy_Bps
 
 
+def _slow_compute_by_io(sweep: dict, share: float) -> None:
+    """A compute device that shares its cores with the store (the CPU) loses ``share`` of
+    its time while the drive's I/O runs beside it: the compute stretches by what the I/O
+    takes during the overlap, which lasts the drive's time or the stretched compute's,
+    whichever is shorter."""
+    if share:
+        alone = sweep["compute"]
+        sweep["compute"] = alone + share * min(sweep["drive"], alone / (1 - share))
+
+
 def stage_cost(w: Workload, hw: Hardware, stage: int) -> StageCost:
     traffic, held = stage_traffic(w, stage, hw)
     sweeps = {s: _seconds(w, hw, stage, s, traffic[s]) for s in SWEEPS}
     _read_ahead(w, hw, sweeps, traffic)
     for s in sweeps.values():
+        _slow_compute_by_io(s, hw.io_compute_slowdown)
         s["time"] = max(s[r] for r in RESOURCES) + s["fill"]
     p2p = 0.0
     if w.pp > 1:   # activations forward and gradients back, per group and boundary

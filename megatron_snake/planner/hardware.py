@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-OPTIONAL_FIELDS = ("head_tflops", "source")
+OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "source")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -37,6 +37,9 @@ class Hardware:
     inter_node_Bps: float         # per GPU, between nodes
     head_tflops: float | None = None   # achieved on the output layer with its loss
     #                                    (optional: device_tflops when not measured)
+    io_compute_slowdown: float = 0.0   # the share of the compute's time the store's drive
+    #                                    I/O takes from it while both run: a CPU device
+    #                                    shares its cores with the store (a GPU: about 0)
     source: str = ""              # how the figures were obtained
 
     def __post_init__(self):
@@ -48,11 +51,15 @@ class Hardware:
                 continue
             if f.name == "head_tflops" and value is None:
                 continue
-            low_ok = f.name == "unit_overhead_s" and value == 0
+            low_ok = f.name in ("unit_overhead_s", "io_compute_slowdown") and value == 0
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not math.isfinite(value) or (value <= 0 and not low_ok):
                 raise ValueError(f"hardware profile {self.name!r}: {f.name} must be a positive "
                                  f"number, got {value!r}")
+        if self.io_compute_slowdown >= 1:
+            raise ValueError(f"hardware profile {self.name!r}: io_compute_slowdown must be "
+                             f"below 1 (a share of the compute's time), got "
+                             f"{self.io_compute_slowdown!r}")
         if self.device_tflops > self.device_peak_tflops:
             raise ValueError(f"hardware profile {self.name!r}: device_tflops "
                              f"{self.device_tflops} is above device_peak_tflops "

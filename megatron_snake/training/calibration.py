@@ -7,6 +7,7 @@ its roofline.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -38,6 +39,20 @@ def drive_rates(store, nbytes: int = 256 * MiB, record: int = 64 * MiB) -> dict:
     for key in keys:
         store.delete(key).wait()
     return {"write": nbytes / write, "read": nbytes / read}
+
+
+def keep_drive_busy(store, stop: threading.Event, record: int = 16 * MiB) -> None:
+    """Write and read records through ``store`` to its drive until ``stop`` is set (the
+    I/O of a step, for timing compute beside it)."""
+    data = torch.ones(record, dtype=torch.uint8)
+    keys = [("calibration-busy", i) for i in range(4)]
+    while not stop.is_set():
+        for handle in [store.put(k, data, tier="nvme", kind="calibration") for k in keys]:
+            handle.wait()
+        for handle in [store.get(k) for k in keys]:
+            handle.wait()
+    for key in keys:
+        store.delete(key).wait()
 
 
 def copy_rate(nbytes: int = 256 * MiB, device: torch.device | None = None) -> float:
