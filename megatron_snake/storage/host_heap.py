@@ -4,10 +4,11 @@ An offloaded run must give back what a unit frees, or its resident memory grows 
 of everything it ever held (measured: 2.1 GiB instead of 0.55 GiB for a 201M-parameter
 model trained unit by unit). Returning every block of 1 MiB or more at once (a low mmap
 threshold) bounds it, but then every activation-sized tensor is a fresh mapping: each use
-page-faults and zeroes its pages, each free unmaps them (measured: a CPU step 1.5x slower,
-a third of it system time). So blocks up to glibc's mmap ceiling stay in its heap, where
-they are reused, and the heap's free pages go back to the OS at unit boundaries once they
-exceed a small retention (``keep_heap_trimmed``); larger blocks are mapped and unmapped.
+page-faults and zeroes its pages, each free unmaps them (measured: a CPU step 1.2-1.5x
+slower, a third of the run in system time). So blocks up to glibc's mmap ceiling stay in
+its heap, where they are reused, and a thread gives the heap's free pages back to the OS
+once the process has grown by a small retention since the last time
+(``keep_heap_trimmed``); larger blocks are mapped and unmapped.
 """
 
 import ctypes
