@@ -10,9 +10,9 @@ layer's unit less a middle one: a softmax over the vocabulary runs at its own ra
 matmul (the peak, for MFU), the drive through the store in --snake-offload-dir (the engine
 the run would use; medians of three 256 MiB passes each way), the layer again while the
 store keeps the drive busy (the share of compute time the I/O takes: on a CPU device they
-share the cores), copies onto the device and within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities
-are the machine's: device and host memory, the offload drive's size. The profile says where
-every figure came from.
+share the cores), copies onto the device and within host memory, the fused CPU AdamW, and
+with several ranks an all-reduce. Capacities are the machine's: device and host memory, the
+offload drive's size. The profile says where every figure came from.
 """
 
 from __future__ import annotations
@@ -49,24 +49,27 @@ from megatron_snake.training.tokenizer import (  # noqa: E402
     build_tokenizer, padded_vocab_size, tokenizer_flags)
 
 
-def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int, repeats: int = 3
-                  ) -> tuple[float, float]:
-    """Forward + backward seconds of a decoder layer alone, and of the last layer with the
-    output layer and its loss (the middle and the last unit of a 3-layer model of the flags'
-    shape), on one micro-batch of ``micro_batch`` x ``seq`` tokens."""
+def _timing_model(args, device, vocab: int, seq: int, micro_batch: int):
+    """A 3-layer model of the flags' shape as units, an input of one micro-batch of
+    ``micro_batch`` x ``seq`` tokens for its middle unit, and the micro-batch's context."""
     shape = argparse.Namespace(**{**vars(args), "num_layers": 3, "snake_checkpoint_interval": 1,
                                   "pipeline_model_parallel_size": 1, "seq_length": seq,
                                   "micro_batch_size": micro_batch,
                                   "max_position_embeddings": max(seq, args.seq_length)})
-    model = build_gpt_model(shape, vocab, device)
-    units = GPTUnits(model, 1)
+    units = GPTUnits(build_gpt_model(shape, vocab, device), 1)
     batch = random_microbatches(1, micro_batch, seq, vocab, seed=0, device=device)[0]
     tokens = seq // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     hidden = torch.randn(tokens, micro_batch, args.hidden_size, device=device,
                          dtype=args.params_dtype, requires_grad=True)
-    ctx = units.context(batch)
-    return (calibration.unit_seconds(units, 1, hidden, ctx, repeats)[1],
-            calibration.unit_seconds(units, 2, hidden, ctx, repeats)[1])
+    return units, hidden, units.context(batch)
+
+
+def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int) -> tuple[float, float]:
+    """Forward + backward seconds of a decoder layer alone, and of the last layer with the
+    output layer and its loss (the middle and the last unit of ``_timing_model``)."""
+    units, hidden, ctx = _timing_model(args, device, vocab, seq, micro_batch)
+    return (calibration.unit_seconds(units, 1, hidden, ctx)[1],
+            calibration.unit_seconds(units, 2, hidden, ctx)[1])
 
 
 def device_rates(args, device, vocab: int) -> dict:
@@ -93,9 +96,11 @@ def io_compute_slowdown(args, device, vocab: int, store, seconds: float = 0.3,
     it while both run (they share the host's cores: on a CPU device, most of them): the
     median over ``rounds`` of a timing alone then beside the I/O, each the median of enough
     passes to last about ``seconds``."""
+    units, hidden, ctx = _timing_model(args, device, vocab, args.seq_length,
+                                       args.micro_batch_size)
+
     def layer(repeats):
-        return _unit_seconds(args, device, vocab, args.seq_length, args.micro_batch_size,
-                             repeats)[0]
+        return calibration.unit_seconds(units, 1, hidden, ctx, repeats)[1]
 
     def beside_io(repeats):
         stop = threading.Event()

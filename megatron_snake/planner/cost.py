@@ -6,11 +6,11 @@ tensor-parallel all-reduces, which it waits for), copies between the device and 
 host-memory copies inside the store, the drive (reads and writes share it), the CPU AdamW
 and the data-parallel collectives. They overlap, so a sweep takes the busiest of them, plus
 the first unit's weight read, which nothing hides; a compute device that shares the host's
-cores (the CPU) is slowed by the drive's I/O beside it, by a measured share. Read-ahead moves the optimizer state's
-reads from the forward sweep into the backward sweep's drive slack, as the runtime does
-(docs/overlap.md). A stage's time is its sweeps over all snake groups plus its pipeline
-sends; the step is the slowest stage's time stretched by the bubble, (M/G + p - 1) / (M/G)
-(1F1B with M/G groups). Bytes follow the store's accounting: what each tier holds, and
+cores (the CPU) is slowed by the drive's I/O beside it, by a measured share. Read-ahead
+moves the optimizer state's reads from the forward sweep into the backward sweep's drive
+slack, as the runtime does (docs/overlap.md). A stage's time is its sweeps over all snake
+groups plus its pipeline sends; the step is the slowest stage's time stretched by the
+bubble, (M/G + p - 1) / (M/G) (1F1B with M/G groups). Bytes follow the store's accounting: what each tier holds, and
 what it reads and writes per step, per kind of state.
 """
 

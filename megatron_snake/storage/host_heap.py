@@ -23,6 +23,10 @@ MMAP_CEILING = 32 << 20          # glibc's largest mmap threshold on 64-bit
 HEAP_RETAIN_BYTES = 128 << 20    # growth kept for reuse before the heap is trimmed
 TRIM_CHECK_PERIOD_S = 0.05
 
+# the heap is the process's, so is this: the least resident memory seen since the last
+# trim, and whether freed memory is kept (keep_freed_host_memory)
+_low_water, _keep = 0, False
+
 
 @functools.cache
 def _libc():
@@ -60,11 +64,6 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# the heap is the process's, so is this: the least resident memory seen since the last
-# trim, and whether freed memory is kept (keep_freed_host_memory)
-_low_water, _keep = 0, False
-
-
 def trim_host_heap(retain_bytes: int = HEAP_RETAIN_BYTES) -> bool:
     """Give the heap's free pages back to the OS once the process has grown more than
     ``retain_bytes`` above its low-water mark since the last trim (what it grew by is live
@@ -83,7 +82,8 @@ def trim_host_heap(retain_bytes: int = HEAP_RETAIN_BYTES) -> bool:
 
 
 def release_free_heap() -> None:
-    """Give every free page of the heap back to the OS now (a step or the build ends)."""
+    """Give every free page of the heap back to the OS now, and make this the low-water
+    mark ``trim_host_heap`` measures growth from."""
     global _low_water
     libc = _libc()
     if libc is not None and not _keep:

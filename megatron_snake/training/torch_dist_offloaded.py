@@ -103,6 +103,13 @@ def states_saved(args, with_optimizer: bool) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq") + (("master",) if args.bf16 or args.fp16 else ())
 
 
+def _layout_states(args, lay: FlatLayout, with_weights: bool, with_optimizer: bool) -> tuple:
+    """The states of ``lay`` a checkpoint holds: a unit's working weights (the shared
+    layout's are resident) and ``states_saved``."""
+    return (("weights",) if with_weights and lay.key != SHARED else ()) + \
+        states_saved(args, with_optimizer)
+
+
 def layout_fragments(run, lay: FlatLayout, parts: dict, *, with_weights: bool,
                      with_optimizer: bool) -> list[tuple[ShardedTensor, Piece]]:
     """This rank's element range of layout ``lay`` as ShardedTensors under Megatron's keys:
@@ -110,8 +117,7 @@ def layout_fragments(run, lay: FlatLayout, parts: dict, *, with_weights: bool,
     ``with_optimizer``, its master weights (16-bit runs) and moments."""
     args, weights = run.args, run.offloaded.weights
     start, end, _ = weights.dp.shard(lay.numel)
-    states = (("weights",) if with_weights and lay.key != SHARED else ()) + \
-        states_saved(args, with_optimizer)
+    states = _layout_states(args, lay, with_weights, with_optimizer)
     out = []
     for seg in lay.segments:
         if id(seg.param) not in parts:
@@ -259,8 +265,7 @@ def _buffers(run, lay: FlatLayout, pairs, with_optimizer: bool) -> dict:
     start, end, _ = weights.dp.shard(lay.numel)
     state = {"numel": lay.numel, "shard": [start, end],
              "segments": [[s.name, list(s.shape), s.offset, s.numel] for s in lay.segments]}
-    names = (("weights",) if lay.key != SHARED else ()) + states_saved(run.args, with_optimizer)
-    for name in names:
+    for name in _layout_states(run.args, lay, True, with_optimizer):
         dtype = run.args.params_dtype if name == "weights" else torch.float32
         state[name] = torch.zeros(end - start, dtype=dtype)
     return state
