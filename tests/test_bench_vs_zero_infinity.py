@@ -63,6 +63,20 @@ def test_zero_infinity_gets_a_swap_buffer_for_each_large_parameter_and_the_runs_
     assert (config["aio"]["block_size"], config["aio"]["queue_depth"]) == (262144, 32)
 
 
+def test_bf16_and_the_device_reach_both_systems(tmp_path):
+    """The GPU comparison (tools/gpu_check.sh): both in bf16 on the device asked for."""
+    a = _args("--device", "cuda", "--bf16", "--layers", "2", "--hidden", "64", "--heads", "2",
+              "--aio", "1048576,8")
+    ours = parse_args(tool.ours_flags(a, 4, str(tmp_path)))
+    theirs = parse_args(tool.model_flags(a, 4))
+    assert ours.bf16 and theirs.bf16 and ours.device == theirs.device == "cuda"
+    config = tool.ds_config(theirs, a, [25_000_000], "/nvme")
+    assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
+    child = tool._child_argv(a)
+    assert child[child.index("--device") + 1] == "cuda" and "--bf16" in child
+    assert tool.parser().parse_args(child).bf16
+
+
 def test_zero_infinity_gets_megatrons_weight_decay_groups():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     decay, plain = tool._megatron_param_groups(model)

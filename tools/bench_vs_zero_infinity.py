@@ -21,8 +21,9 @@ peak RSS (the OS's VmHWM of the child), the bytes read and written per step (the
 itself), the losses, and the host memory each holds beside the drive (DeepSpeed's swap
 buffers; our host pool). The last line is **tokens/s ours / ZeRO-Infinity at the largest M**.
 
-It runs on the CPU (DeepSpeed's CPU accelerator, ``--device cpu`` for both); the GPU
-comparison is the GPU issue's. DeepSpeed is an optional extra (``bash tools/install.sh
+``--device cpu`` (the default) runs both on the CPU, DeepSpeed on its CPU accelerator;
+``--device cuda`` runs both on the GPU, DeepSpeed on its CUDA accelerator (tools/gpu_check.sh
+runs it there, with ``--bf16``: both in bf16 with fp32 master weights). DeepSpeed is an optional extra (``bash tools/install.sh
 --bench``). On first use it compiles two ops: ``cpu_adam`` (about 1 to 1.5 minutes on 2
 cores) and ``async_io`` (4 to 10 minutes); they are cached in ``$TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), so later runs start at once. Before the comparison the tool
@@ -47,7 +48,6 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 MiB = 1 << 20
 SYSTEMS = ("zero_infinity", "ours")
@@ -68,8 +68,9 @@ def model_flags(a, m: int) -> list[str]:
             "NullTokenizer", "--vocab-size", str(a.vocab), "--hidden-dropout", "0",
             "--attention-dropout", "0", "--lr", str(a.lr), "--lr-decay-style", "constant",
             "--weight-decay", "0.01", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-            "--adam-eps", "1e-8", "--clip-grad", "1.0", "--mock-data", "--device", "cpu",
-            "--train-iters", str(a.warmup + a.steps), "--seed", "1234"]
+            "--adam-eps", "1e-8", "--clip-grad", "1.0", "--mock-data", "--device", a.device,
+            "--train-iters", str(a.warmup + a.steps), "--seed", "1234",
+            *(["--bf16"] if a.bf16 else [])]
 
 
 def ours_flags(a, m: int, offload_dir: str) -> list[str]:
@@ -80,15 +81,14 @@ def ours_flags(a, m: int, offload_dir: str) -> list[str]:
 
 
 def _start(flags: list[str]):
-    """pretrain_gpt's ``flags`` parsed, one CPU rank started (Megatron's parallel state,
-    seeded as a run seeds it): (args, device, padded vocabulary size)."""
-    import torch
+    """pretrain_gpt's ``flags`` parsed, one rank started on their ``--device`` (Megatron's
+    parallel state, seeded as a run seeds it): (args, device, padded vocabulary size)."""
     from megatron_snake.training import distributed
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.tokenizer import (build_tokenizer, padded_vocab_size,
                                                    tokenizer_flags)
     args = parse_args(flags)
-    device = torch.device("cpu")
+    device = distributed.resolve_device(args.device)
     distributed.initialize(device=device, seed=args.seed)
     vocab = padded_vocab_size(build_tokenizer(**tokenizer_flags(args)).vocab_size,
                               args.make_vocab_size_divisible_by, 1)
@@ -106,6 +106,26 @@ def _batches(args, vocab_size: int):
                                                           args.global_batch_size, 0, 0))
     return micro_batches(train, micro_batch_size=args.micro_batch_size, data_parallel_rank=0,
                          data_parallel_size=1, consumed_samples=0)
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+def _synchronize(device) -> None:
+    """Wait for the device's queued work, so that a step's time is the device's too."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_memory(device) -> dict:
+    """The device's peak allocated and reserved bytes since the start (GPU only)."""
+    import torch
+    if device.type != "cuda":
+        return {}
+    return {"device_peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
 def _report(kind: str, payload: dict) -> None:
@@ -128,7 +148,8 @@ def ds_config(args, a, numels: list[int], nvme_path: str) -> dict:
         "gradient_clipping": args.clip_grad,
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
-        "bf16": {"enabled": False}, "fp16": {"enabled": False},   # fp32, as ours
+        # as ours: fp32, or with --bf16 bf16 weights and compute with fp32 master weights
+        "bf16": {"enabled": bool(args.bf16)}, "fp16": {"enabled": False},
         "optimizer": {"type": "AdamW", "params": {
             "lr": args.lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps,
             "weight_decay": args.weight_decay}},
@@ -179,7 +200,7 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
     # as ZeRO-Infinity builds models larger than memory: each parameter goes to the drive
     # as it is made
     with deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme",
-                             dtype=torch.float32):
+                             dtype=torch.bfloat16 if args.bf16 else torch.float32):
         model = build_gpt_model(args, vocab, device)
     # zero.Init initialises some weights differently from a plain build (a parent module's
     # init of a child's partitioned weight is lost): load the plain build's, one at a time,
@@ -200,7 +221,8 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
                                f"{off['buffer_size']} fp32", "config": config})
     batches = _batches(args, vocab)
     for step in range(args.train_iters):
-        mbs = [next(batches) for _ in range(m)]
+        mbs = [_to(next(batches), device) for _ in range(m)]
+        _synchronize(device)
         start = time.perf_counter()
         losses = []
         for mb in mbs:
@@ -211,8 +233,9 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
             engine.backward(loss)
             engine.step()       # DeepSpeed steps at the accumulation boundary only
             losses.append(loss.item())
+        _synchronize(device)
         _report("step", {"step": step + 1, "seconds": time.perf_counter() - start,
-                         "loss": statistics.fmean(losses)})
+                         "loss": statistics.fmean(losses), **_device_memory(device)})
 
 
 def save_initial_weights(a, directory: str) -> None:
@@ -236,12 +259,15 @@ def run_ours(a, m: int, offload_dir: str) -> None:
                                    f"{a.host_memory_limit})"})
         batches = _batches(args, vocab)
         for step in range(args.train_iters):
-            mbs = [next(batches) for _ in range(m)]
+            mbs = [_to(next(batches), device) for _ in range(m)]
+            _synchronize(device)
             start = time.perf_counter()
             out = run.step(mbs)
+            _synchronize(device)
             _report("step", {"step": step + 1, "seconds": time.perf_counter() - start,
                              "loss": statistics.fmean(float(x) for x in out.result.losses),
-                             "pool_peak_bytes": pool.peak_in_use * pool.buffer_bytes})
+                             "pool_peak_bytes": pool.peak_in_use * pool.buffer_bytes,
+                             **_device_memory(device)})
 
 
 # --- measuring a child -----------------------------------------------------------------------
@@ -300,7 +326,9 @@ def measure(a, system: str, m: int) -> dict:
             "tokens_per_s": tokens / median_s, "peak_rss_bytes": peak,
             "read_bytes_per_step": statistics.median(s["read_bytes"] for s in timed),
             "write_bytes_per_step": statistics.median(s["write_bytes"] for s in timed),
-            "losses": [s["loss"] for s in steps], "memory": memory}
+            "losses": [s["loss"] for s in steps], "memory": memory,
+            "device_peak_allocated_bytes": max((s.get("device_peak_allocated_bytes", 0)
+                                                for s in steps), default=0)}
 
 
 # --- choosing DeepSpeed's aio settings -------------------------------------------------------
@@ -367,6 +395,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=1, help="runs of each, alternating")
     p.add_argument("--lr", type=float, default=1e-4, help="both: a constant learning rate")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="both compute here (DeepSpeed's accelerator follows)")
+    p.add_argument("--bf16", action="store_true",
+                   help="both in bf16 with fp32 master weights (default: fp32)")
     p.add_argument("--host-memory-limit", default="2GiB", help="ours: the host pool")
     p.add_argument("--ours-flags", default="", metavar="FLAGS",
                    help="ours: more pretrain_gpt.py flags, e.g. '--snake-checkpoint-interval "
@@ -391,12 +423,19 @@ def _child_argv(a) -> list[str]:
     out = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.heads),
            "--seq", str(a.seq), "--micro-batch", str(a.micro_batch), "--vocab", str(a.vocab),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--lr", str(a.lr),
+           "--device", a.device, *(["--bf16"] if a.bf16 else []),
            "--host-memory-limit", a.host_memory_limit, f"--ours-flags={a.ours_flags}"]
     return out + ["--aio", f"{a.aio[0]},{a.aio[1]}"] if a.aio else out
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    # DeepSpeed picks its accelerator when first imported; the children inherit the choice
+    os.environ.setdefault("DS_ACCELERATOR", a.device)
+    if a.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device here (use --device cpu)")
     if a.worker == "initial":
         save_initial_weights(a, a.work)
         return 0
@@ -420,7 +459,8 @@ def main(argv=None) -> int:
         parse_args(ours_flags(a, m, a.dir))
     print("> DeepSpeed's ops compile on first use (cpu_adam 1-1.5 min, async_io 4-10 min on "
           "2 cores), then load from $TORCH_EXTENSIONS_DIR", flush=True)
-    report = {"machine": {"cpus": os.cpu_count(), "dir": a.dir}, "args": None,
+    report = {"machine": {"cpus": os.cpu_count(), "dir": a.dir, "device": a.device},
+              "args": None,
               "aio_tuning": None, "summary": None, "runs": []}
     runs = report["runs"]
     a.initial = tempfile.mkdtemp(prefix="initial_weights_", dir=a.dir)
@@ -454,6 +494,8 @@ def main(argv=None) -> int:
                 "write_bytes_per_step": statistics.median(r["write_bytes_per_step"]
                                                           for r in mine),
                 "host_buffers_bytes": mine[0]["memory"].get("host_buffers_bytes"),
+                "device_peak_allocated_bytes": max(r["device_peak_allocated_bytes"]
+                                                   for r in mine),
                 "first_losses": mine[0]["losses"][:4]}
         row["ratio"] = row["ours"]["tokens_per_s"] / row["zero_infinity"]["tokens_per_s"]
         summary.append(row)

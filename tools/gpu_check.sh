@@ -4,6 +4,8 @@
 #
 #   bash tools/gpu_check.sh OUTDIR suite   # the GPU test suite (tests/gpu) + the demo
 #   bash tools/gpu_check.sh OUTDIR bench   # the GPU part of every benchmark + a trace
+#   bash tools/gpu_check.sh OUTDIR zero    # side by side with ZeRO-Infinity on the GPU
+#   bash tools/gpu_check.sh OUTDIR plan    # the cost model against measured GPU steps
 #
 # Every step is time-boxed (`timeout`); each leaves STEP.log (and its JSON, the suite a
 # junit XML) in OUTDIR, and one line in OUTDIR/steps.tsv (step, exit code, seconds).
@@ -20,7 +22,7 @@
 # /tmp/snake_site (nothing outside /tmp changes) and never downloads anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${1:?"usage: tools/gpu_check.sh OUTDIR suite|bench|all|setup"}
+OUTDIR=${1:?"usage: tools/gpu_check.sh OUTDIR suite|bench|zero|plan|all|setup"}
 PART=${2:-all}
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
@@ -100,13 +102,69 @@ bench() {
     step gpu_trace 200 "$PY" tools/gpu_trace.py --dir "$SCRATCH" --warmup 1 --out-dir "$OUTDIR/trace"
 }
 
+# DeepSpeed from .gpu/deepspeed (tools/gpu_carry.sh): its source distribution and the
+# wheels the image lacks into /tmp/snake_site, libaio's packages unpacked under
+# /tmp/snake_libaio (its headers and library for the async_io op), the ops built into
+# /tmp/snake_ext once (about a minute each on 16 cores)
+deepspeed_setup() {
+    local aio=/tmp/snake_libaio
+    mkdir -p "$aio"
+    for deb in .gpu/deepspeed/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" "$aio"; done
+    local lib=$aio/usr/lib/x86_64-linux-gnu
+    [ -e "$lib/libaio.so" ] || ln -sf "$(ls "$lib"/libaio.so.1* 2>/dev/null | head -1)" "$lib/libaio.so"
+    export CFLAGS="-I$aio/usr/include" LDFLAGS="-L$lib" CPATH=$aio/usr/include${CPATH:+:$CPATH}
+    # the async_io op links -laio and -lcuda: libaio's from its packages; CUDA's stub
+    # libcuda.so where the driver's directory has only libcuda.so.1 (the driver's is loaded)
+    local cuda_home
+    cuda_home=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+    export LIBRARY_PATH=$lib:$cuda_home/lib64/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export TORCH_EXTENSIONS_DIR=/tmp/snake_ext DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
+    export MAX_JOBS=$(nproc)
+    if ! "$PY" -c "import deepspeed" 2>/dev/null; then
+        ls .gpu/deepspeed/deepspeed-*.tar.gz >/dev/null 2>&1 || {
+            echo "gpu_check.sh: deepspeed is missing and .gpu/deepspeed is empty: run "\
+                 "tools/gpu_carry.sh where there is internet" >&2; return 1; }
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/snake_site .gpu/deepspeed/*.whl 2>&1 | grep -v "^WARNING"
+        DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+            --no-cache-dir --target /tmp/snake_site .gpu/deepspeed/deepspeed-*.tar.gz 2>&1 \
+            | grep -v "^WARNING"
+    fi
+    "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" >> "$OUTDIR/env.txt" 2>&1
+}
+
+zero() {
+    deepspeed_setup || return 1
+    step zero_ops 540 "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder, \
+CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('ops built')"
+    # about 470M parameters in bf16 (8 layers, hidden 2048, 2048-token sequences), every
+    # state of both on the drive; the CPU runs' tables are in docs/benchmarks.md
+    step bench_zero_infinity 540 "$PY" tools/bench_vs_zero_infinity.py --device cuda --bf16 \
+        --dir "$SCRATCH" --layers 8 --hidden 2048 --heads 16 --seq 2048 --micro-batch 1 \
+        --micro-batches 1 4 16 --steps 2 --warmup 1 \
+        --json-out "$OUTDIR/bench_zero_infinity.json" ${SNAKE_BENCH_ZERO_FLAGS:-}
+}
+
+plan() {
+    # the one-rank configurations (one GPU) at a GPU's shape: hidden 2048, 2048-token
+    # sequences, bf16, every state on the drive but where a configuration says otherwise
+    step validate_planner 560 "$PY" tools/validate_planner.py --device cuda --bf16 \
+        --dir "$SCRATCH" --hidden 2048 --seq 2048 --host-memory 16GiB --rounds 1 \
+        --warmup 2 --iters 3 --json-out "$OUTDIR/validate_planner.json" \
+        --png "$OUTDIR/validate_planner.png"
+}
+
 setup
 case "$PART" in
     setup) ;;     # install only (env.txt); for running single steps by hand
     suite) suite ;;
     bench) bench ;;
-    all) suite; bench ;;
-    *) echo "gpu_check.sh: part must be suite, bench or all, got $PART" >&2; exit 2 ;;
+    zero) zero ;;
+    plan) plan ;;
+    all) suite; bench; zero; plan ;;
+    *) echo "gpu_check.sh: part must be suite, bench, zero, plan or all, got $PART" >&2
+       exit 2 ;;
 esac
 echo "=== steps (rc 124: hit its time box)"
 cat "$OUTDIR/steps.tsv"

@@ -63,8 +63,17 @@ def base_flags(a) -> list[str]:
     return ["--hidden-size", str(a.hidden), "--num-attention-heads", "8", "--seq-length",
             str(a.seq), "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "8192", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--device", "cpu", "--snake-offload", "--snake-offload-dir", a.dir,
-            "--snake-host-memory-limit", a.host_memory]
+            "--device", a.device, "--snake-offload", "--snake-offload-dir", a.dir,
+            "--snake-host-memory-limit", a.host_memory, *(["--bf16"] if a.bf16 else [])]
+
+
+def worlds(device: str) -> tuple[int, ...]:
+    """The rank counts this machine can validate: two under gloo on the CPU; on GPUs two
+    only with two devices (NCCL runs one rank a device)."""
+    if device == "cpu":
+        return (1, 2)
+    import torch
+    return (1, 2) if torch.cuda.device_count() >= 2 else (1,)
 
 
 def _launch(world: int, script: str, argv: list[str]) -> list[str]:
@@ -138,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--host-memory", default="2GiB")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the compute device to validate (cuda: tools/gpu_check.sh)")
+    p.add_argument("--bf16", action="store_true", help="train and calibrate in bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2,
@@ -146,22 +158,27 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", default=None)
     p.add_argument("--png", default=None)
     a = p.parse_args(argv)
-    runs = {name: [] for name, *_ in CONFIGS}
+    ranks = worlds(a.device)
+    configs = [c for c in CONFIGS if c[1] in ranks]
+    if len(configs) < len(CONFIGS):
+        print(f"> one {a.device} device: the {len(CONFIGS) - len(configs)} two-rank "
+              "configurations are left out", flush=True)
+    runs = {name: [] for name, *_ in configs}
     runs["--snake-auto"] = []
     profiles, auto = {}, None
     for r in range(a.rounds):
-        profiles = {world: calibrate(a, world) for world in (1, 2)}
+        profiles = {world: calibrate(a, world) for world in ranks}
         for world, hw in profiles.items():
             print(f"> round {r + 1}: profile, {world} rank(s): {json.dumps(hw.to_dict())}",
                   flush=True)
-        for name, world, flags, _ in CONFIGS:
+        for name, world, flags, _ in configs:
             runs[name].append((measure(a, world, flags), predicted(a, profiles[world], flags)))
             print(f"> round {r + 1}: {name:28s} measured {runs[name][-1][0]:7.3f} s  "
                   f"predicted {runs[name][-1][1]:7.3f} s", flush=True)
         auto = auto or auto_choice(a, profiles[1])
         runs["--snake-auto"].append((measure(a, 1, auto), predicted(a, profiles[1], auto)))
     rows = []
-    for name, world, flags, candidate in CONFIGS + [("--snake-auto", 1, auto, False)]:
+    for name, world, flags, candidate in configs + [("--snake-auto", 1, auto, False)]:
         measured_s = statistics.median(m for m, _ in runs[name])
         predicted_s = statistics.median(q for _, q in runs[name])
         error = (predicted_s - measured_s) / measured_s
