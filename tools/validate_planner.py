@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="train and calibrate in bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=int, default=3,
                    help="calibrate and run every configuration this many times, in turn "
                         "(this machine's speed drifts from minute to minute); medians")
     p.add_argument("--json-out", default=None)

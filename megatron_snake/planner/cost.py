@@ -2,7 +2,8 @@
 profile.
 
 Per pipeline stage and sweep, each resource's busy time: device compute (with the
-tensor-parallel all-reduces, which it waits for), copies between the device and the store,
+tensor-parallel all-reduces, which it waits for, and the host's fixed time per layer pass and
+per unit visit, measured in real steps), copies between the device and the store,
 host-memory copies inside the store, the drive (reads and writes share it), the CPU AdamW
 and the data-parallel collectives. They overlap, so a sweep takes the busiest of them, plus
 the first unit's weight read, which nothing hides; a compute device that shares the host's
@@ -249,6 +250,8 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
     units = len(st.unit_flops) - (1 if sweep == "forward" and stage == w.pp - 1 else 0)
     passes = 3 if sweep == "backward" else 1
     flops = passes * sum(st.unit_flops[:units])
+    # the fixed time of a pass is a one-layer unit's: kernel launches and Python per layer
+    layer_passes = sum(max(1, layers) for layers in st.unit_layers[:units])
     tp_s = 0.0
     if w.tp > 1:   # two all-reduces per layer and pass
         act = w.micro_batch_size * w.seq_length * w.hidden_size * w.elem_bytes
@@ -261,7 +264,8 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
     out = {
         "compute": flops * w.micro_batches / (hw.device_tflops * 1e12) + tp_s
         + head * w.micro_batches / (hw.output_layer_tflops * 1e12)
-        + passes * units * w.micro_batches * hw.unit_overhead_s,
+        + passes * layer_passes * w.micro_batches * hw.unit_overhead_s
+        + units * w.groups * hw.unit_visit_s,
         "copy": t.copy / hw.pcie_Bps,
         "host": (host_read + host_written) / hw.host_copy_Bps,
         "drive": drive_read / drive_r + drive_written / drive_w,

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "source")
+OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "unit_visit_s", "source")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -23,8 +23,9 @@ class Hardware:
     gpus_per_node: int
     device_tflops: float          # achieved on a unit's matmuls (what a step gets, not peak)
     device_peak_tflops: float     # the datasheet's dense figure, for MFU
-    unit_overhead_s: float        # host time of one unit pass on one micro-batch beside its
-    #                               FLOPs (Python, kernel launches): what small units cost
+    unit_overhead_s: float        # host time of a one-layer unit's pass on one micro-batch
+    #                               beside its FLOPs (Python, kernel launches, the store's
+    #                               work for the unit input): a k-layer unit's is k times it
     device_memory: int
     pcie_Bps: float               # host<->device copies, one direction, per GPU
     drive_read_Bps: float         # the node's drives together
@@ -40,6 +41,9 @@ class Hardware:
     io_compute_slowdown: float = 0.0   # the share of the compute's time the store's drive
     #                                    I/O takes from it while both run: a CPU device
     #                                    shares its cores with the store (a GPU: about 0)
+    unit_visit_s: float = 0.0     # host time of one visit of a unit in a sweep beside its
+    #                               passes (acquiring and releasing its weights, handing its
+    #                               gradient and update on), the step boundary's share in it
     source: str = ""              # how the figures were obtained
 
     def __post_init__(self):
@@ -51,7 +55,8 @@ class Hardware:
                 continue
             if f.name == "head_tflops" and value is None:
                 continue
-            low_ok = f.name in ("unit_overhead_s", "io_compute_slowdown") and value == 0
+            low_ok = f.name in ("unit_overhead_s", "io_compute_slowdown",
+                                "unit_visit_s") and value == 0
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                     not math.isfinite(value) or (value <= 0 and not low_ok):
                 raise ValueError(f"hardware profile {self.name!r}: {f.name} must be a positive "
