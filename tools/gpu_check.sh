@@ -135,6 +135,9 @@ deepspeed_setup() {
 }
 
 zero() {
+    # two steps of up to 9 minutes: within one call's 10, run them apart on a machine kept
+    # warm (the ops stay in /tmp/snake_ext): SNAKE_GPU_ONLY=zero_ops, then
+    # SNAKE_GPU_ONLY=bench_zero_infinity
     deepspeed_setup || return 1
     step zero_ops 540 "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder, \
 CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('ops built')"
