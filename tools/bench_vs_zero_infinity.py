@@ -23,8 +23,8 @@ buffers; our host pool). The last line is **tokens/s ours / ZeRO-Infinity at the
 
 ``--device cpu`` (the default) runs both on the CPU, DeepSpeed on its CPU accelerator;
 ``--device cuda`` runs both on the GPU, DeepSpeed on its CUDA accelerator (tools/gpu_check.sh
-runs it there, with ``--bf16``: both in bf16 with fp32 master weights). DeepSpeed is an optional extra (``bash tools/install.sh
---bench``). On first use it compiles two ops: ``cpu_adam`` (about 1 to 1.5 minutes on 2
+runs it there, with ``--bf16``: both in bf16 with fp32 master weights). DeepSpeed is an
+optional extra (``bash tools/install.sh --bench``). On first use it compiles two ops: ``cpu_adam`` (about 1 to 1.5 minutes on 2
 cores) and ``async_io`` (4 to 10 minutes); they are cached in ``$TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), so later runs start at once. Before the comparison the tool
 picks DeepSpeed's aio block size and queue depth by timing its own aio handle on a file in
@@ -95,28 +95,20 @@ def _start(flags: list[str]):
     return args, device, vocab
 
 
-def _batches(args, vocab_size: int):
-    """The run's mock-data micro-batches, in the order pretrain_gpt reads them."""
+def _batches(args, vocab_size: int, device):
+    """The run's mock-data micro-batches on ``device``, in the order pretrain_gpt reads
+    them."""
     from megatron_snake.training.data import build_gpt_datasets, micro_batches, num_samples_for
+    from megatron_snake.training.loop import to_device
     from megatron_snake.training.tokenizer import build_tokenizer, tokenizer_flags
     train, _, _ = build_gpt_datasets(
         mock=True, data_path=None, split=args.split, seq_length=args.seq_length,
         seed=args.seed, tokenizer=build_tokenizer(**tokenizer_flags(args)),
         data_cache_path=None, num_samples=num_samples_for(args.train_iters,
                                                           args.global_batch_size, 0, 0))
-    return micro_batches(train, micro_batch_size=args.micro_batch_size, data_parallel_rank=0,
-                         data_parallel_size=1, consumed_samples=0)
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
-
-
-def _synchronize(device) -> None:
-    """Wait for the device's queued work, so that a step's time is the device's too."""
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return (to_device(mb, device) for mb in micro_batches(
+        train, micro_batch_size=args.micro_batch_size, data_parallel_rank=0,
+        data_parallel_size=1, consumed_samples=0))
 
 
 def _device_memory(device) -> dict:
@@ -185,6 +177,7 @@ def _megatron_param_groups(model) -> list[dict]:
 def run_zero_infinity(a, m: int, nvme_path: str) -> None:
     import torch
     from megatron_snake.training import distributed
+    from megatron_snake.training.calibration import synchronize
     from megatron_snake.training.model import build_gpt_model
     # DeepSpeed reads the launcher's environment: one rank, set by hand
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -219,10 +212,10 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
     _report("memory", {"host_buffers_bytes": off["buffer_count"] * off["buffer_size"] * 4,
                        "what": f"{off['buffer_count']} parameter swap buffers of "
                                f"{off['buffer_size']} fp32", "config": config})
-    batches = _batches(args, vocab)
+    batches = _batches(args, vocab, device)
     for step in range(args.train_iters):
-        mbs = [_to(next(batches), device) for _ in range(m)]
-        _synchronize(device)
+        mbs = [next(batches) for _ in range(m)]
+        synchronize(device)
         start = time.perf_counter()
         losses = []
         for mb in mbs:
@@ -233,7 +226,7 @@ def run_zero_infinity(a, m: int, nvme_path: str) -> None:
             engine.backward(loss)
             engine.step()       # DeepSpeed steps at the accumulation boundary only
             losses.append(loss.item())
-        _synchronize(device)
+        synchronize(device)
         _report("step", {"step": step + 1, "seconds": time.perf_counter() - start,
                          "loss": statistics.fmean(losses), **_device_memory(device)})
 
@@ -251,19 +244,20 @@ def save_initial_weights(a, directory: str) -> None:
 # --- ours ------------------------------------------------------------------------------------
 def run_ours(a, m: int, offload_dir: str) -> None:
     from megatron_snake.training.build import build_run
+    from megatron_snake.training.calibration import synchronize
     args, device, vocab = _start(ours_flags(a, m, offload_dir))
     with build_run(args, device, vocab, log=lambda line: None) as run:
         pool = run.tensor_store.pool
         _report("memory", {"host_buffers_bytes": pool.limit_bytes,
                            "what": f"the store's host pool (--snake-host-memory-limit "
                                    f"{a.host_memory_limit})"})
-        batches = _batches(args, vocab)
+        batches = _batches(args, vocab, device)
         for step in range(args.train_iters):
-            mbs = [_to(next(batches), device) for _ in range(m)]
-            _synchronize(device)
+            mbs = [next(batches) for _ in range(m)]
+            synchronize(device)
             start = time.perf_counter()
             out = run.step(mbs)
-            _synchronize(device)
+            synchronize(device)
             _report("step", {"step": step + 1, "seconds": time.perf_counter() - start,
                              "loss": statistics.fmean(float(x) for x in out.result.losses),
                              "pool_peak_bytes": pool.peak_in_use * pool.buffer_bytes,

@@ -11,8 +11,8 @@ matmul (the peak, for MFU), the drive through the store in --snake-offload-dir (
 the run would use; medians of three 256 MiB passes each way), the layer again while the
 store keeps the drive busy (the share of compute time the I/O takes: on a CPU device they
 share the cores), a real offloaded step of the flags' layout at a width where its FLOPs and
-bytes are next to nothing (its host time per unit pass and per unit visit), copies onto the device and within host memory, the fused CPU AdamW, and
-with several ranks an all-reduce. Capacities are the machine's: device and host memory, the
+bytes are next to nothing (its host time per unit pass and per unit visit), copies onto the
+device and within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities are the machine's: device and host memory, the
 offload drive's size. The profile says where every figure came from.
 """
 
@@ -105,25 +105,24 @@ PROBE_FLAGS = ["--hidden-size", "64", "--num-attention-heads", "8", "--num-query
                "--micro-batch-size", "1", "--pipeline-model-parallel-size", "1"]
 
 
-def _probe_step_seconds(flags: list[str], device, vocab: int, microbatches: int,
+def _probe_step_seconds(flags: list[str], dp: int, device, vocab: int, microbatches: int,
                         warmup: int = 3, steps: int = 4) -> tuple[float, int, int]:
     """Median seconds of a real offloaded step of the flags' layout (layers, checkpoint
     interval, alpha, tiers, clipping) at ``PROBE_FLAGS``' width with ``microbatches``
-    one-token micro-batches (one snake group), its unit visits and its passes in layers."""
+    one-token micro-batches (one snake group) on ``dp`` data-parallel ranks, its unit visits
+    and its passes in layers."""
     from megatron_snake.training.build import build_run
-    world = dist.get_world_size()
-    dp = world // parse_args(flags, world_size=world).tensor_model_parallel_size
     args = parse_args(flags + PROBE_FLAGS + [
         "--global-batch-size", str(microbatches * dp), "--snake-group-size",
-        str(microbatches)], world_size=world)
+        str(microbatches)], world_size=dist.get_world_size())
     batches = random_microbatches(microbatches, 1, 1, vocab, seed=0, device=device)
     times = []
     with build_run(args, device, vocab, rank=dist.get_rank(), log=lambda line: None) as run:
         for _ in range(warmup + steps):
-            calibration._sync(device)
+            calibration.synchronize(device)
             start = time.perf_counter()
             run.step(batches)
-            calibration._sync(device)
+            calibration.synchronize(device)
             times.append(time.perf_counter() - start)
         layers = [max(1, len(u)) for u in run.offloaded.units.unit_layers]
     # the forward sweep stops before the last unit (it turns in place); the backward sweep
@@ -134,15 +133,16 @@ def _probe_step_seconds(flags: list[str], device, vocab: int, microbatches: int,
     return statistics.median(times[warmup:]), visits, passes
 
 
-def step_overheads(flags: list[str], device, vocab: int, bare_pass_s: float) -> dict:
+def step_overheads(flags: list[str], dp: int, device, vocab: int, bare_pass_s: float
+                   ) -> dict:
     """Host seconds of a real step beside its FLOPs and bytes: per one-layer unit pass on
     one micro-batch (the compute's own fixed cost and the store's work for the unit input:
     saved, read back, dropped) and per unit visit in a sweep (acquiring and releasing the
     weights, handing the gradient and the update on; the step boundary's share). Two probe
     steps of 1 and 3 micro-batches: the difference is the passes', the rest the visits'.
     A unit pass costs at least ``bare_pass_s``, the pass timed alone."""
-    one, visits, passes_one = _probe_step_seconds(flags, device, vocab, 1)
-    three, _, passes_three = _probe_step_seconds(flags, device, vocab, 3)
+    one, visits, passes_one = _probe_step_seconds(flags, dp, device, vocab, 1)
+    three, _, passes_three = _probe_step_seconds(flags, dp, device, vocab, 3)
     per_pass = max(bare_pass_s, (three - one) / (passes_three - passes_one))
     per_visit = max(0.0, (one - passes_one * per_pass) / visits)
     return {"unit_overhead_s": per_pass, "unit_visit_s": per_visit}
@@ -216,7 +216,8 @@ def main(argv=None) -> int:
         rates["io_compute_slowdown"] = io_compute_slowdown(args, device, vocab, store)
         engine = getattr(store.engine, "name", type(store.engine).__name__)
     print("> a real step's host time per unit pass and unit visit ...", flush=True)
-    rates.update(step_overheads(flags, device, vocab, rates["unit_overhead_s"]))
+    rates.update(step_overheads(flags, args.data_parallel_size, device, vocab,
+                                rates["unit_overhead_s"]))
     host_copy = calibration.copy_rate()
     pcie = calibration.copy_rate(device=device) if device.type == "cuda" else host_copy
     adam = calibration.adamw_rate()

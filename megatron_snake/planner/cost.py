@@ -11,8 +11,8 @@ cores (the CPU) is slowed by the drive's I/O beside it, by a measured share. Rea
 moves the optimizer state's reads from the forward sweep into the backward sweep's drive
 slack, as the runtime does (docs/overlap.md). A stage's time is its sweeps over all snake
 groups plus its pipeline sends; the step is the slowest stage's time stretched by the
-bubble, (M/G + p - 1) / (M/G) (1F1B with M/G groups). Bytes follow the store's accounting: what each tier holds, and
-what it reads and writes per step, per kind of state.
+bubble, (M/G + p - 1) / (M/G) (1F1B with M/G groups). Bytes follow the store's
+accounting: what each tier holds, and what it reads and writes per step, per kind of state.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from megatron_snake.optim.adamw import fused_adamw_
 MiB = 1 << 20
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -63,10 +64,10 @@ def copy_rate(nbytes: int = 256 * MiB, device: torch.device | None = None) -> fl
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device if cuda else "cpu")
     times = []
     for _ in range(3):
-        _sync(dst.device)
+        synchronize(dst.device)
         start = time.perf_counter()
         dst.copy_(src, non_blocking=cuda)
-        _sync(dst.device)
+        synchronize(dst.device)
         times.append(time.perf_counter() - start)
     return nbytes / min(times)
 
@@ -89,13 +90,13 @@ def unit_seconds(units, unit: int, hidden: torch.Tensor, ctx, repeats: int = 3
     micro-batch whose input is ``hidden``, medians over ``repeats`` after one warm-up."""
     fwd, both = [], []
     for i in range(repeats + 1):
-        _sync(hidden.device)
+        synchronize(hidden.device)
         start = time.perf_counter()
         out = units.forward_unit(unit, hidden, ctx)
-        _sync(hidden.device)
+        synchronize(hidden.device)
         middle = time.perf_counter()
         out.float().square().mean().backward()
-        _sync(hidden.device)
+        synchronize(hidden.device)
         end = time.perf_counter()
         units.gpt.zero_grad(set_to_none=True)
         hidden.grad = None
@@ -111,10 +112,10 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, repeats: int
     b = torch.randn(n, n, dtype=dtype, device=device)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         a @ b
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * n ** 3 / min(times[1:]) / 1e12
 
@@ -129,6 +130,6 @@ def allreduce_bus_rate(nbytes: int = 64 * MiB, device: torch.device | None = Non
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(buf)
-        _sync(buf.device)
+        synchronize(buf.device)
         times.append(time.perf_counter() - start)
     return 2 * (world - 1) / world * nbytes / statistics.median(times[1:])

@@ -32,7 +32,7 @@ from megatron_snake.training.tokenizer import (build_tokenizer, padded_vocab_siz
 from megatron_snake.training.train_log import TrainLog
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
             for k, v in batch.items()}
 
@@ -79,7 +79,7 @@ def checkpoint_to_load(args) -> tuple[str | None, bool]:
 
 
 def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
-    return [_to_device(next(iterator), device) for _ in range(count)]
+    return [to_device(next(iterator), device) for _ in range(count)]
 
 
 def _stop_on_nan(iteration: int, lm_loss: float, grad_norm) -> None:
