@@ -33,8 +33,9 @@ class Timeline:
         self.stopped = False          # spans ending later (on a worker) are not kept
         self._lock = threading.Lock()
 
-    def add(self, name: str, cat: str, start: float, end: float, args: dict) -> None:
-        span = {"name": name, "cat": cat, "thread": threading.current_thread().name,
+    def add(self, name: str, cat: str, start: float, end: float, args: dict,
+            thread: str | None = None) -> None:
+        span = {"name": name, "cat": cat, "thread": thread or threading.current_thread().name,
                 "start": start - self.t0, "end": end - self.t0, "args": args}
         with self._lock:
             if not self.stopped:
@@ -59,12 +60,13 @@ class Timeline:
 
 
 def _thread_order(name: str):
-    """Main thread first, then compute-adjacent workers, then the store's pools."""
-    for rank, prefix in enumerate(("MainThread", "snake-adamw", "snake-store-read",
+    """The emulated device, the main thread, then compute-adjacent workers, then the
+    store's pools."""
+    for rank, prefix in enumerate(("device", "MainThread", "snake-adamw", "snake-store-read",
                                    "snake-store-ahead", "snake-store-write")):
         if name.startswith(prefix):
             return rank, name
-    return 5, name
+    return 6, name
 
 
 _recording: Timeline | None = None
@@ -85,6 +87,14 @@ def span(name: str, cat: str, **args):
             yield
         finally:
             timeline.add(name, cat, start, time.perf_counter(), args)
+
+
+def record(name: str, cat: str, start: float, end: float, thread: str, **args) -> None:
+    """Record a span known by its times (perf_counter) on row ``thread``: work that runs
+    apart from the host's threads, as the emulated device's (emulated_device.py)."""
+    timeline = _recording
+    if timeline is not None:
+        timeline.add(name, cat, start, end, args, thread=thread)
 
 
 def start() -> Timeline:

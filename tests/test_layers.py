@@ -4,7 +4,8 @@ later change cannot quietly reintroduce a cycle or an upward import.
 Bottom to top (docs/design.md draws it): storage, compat and the planner (import nothing of
 ours but the timeline; the planner not even torch), placement, models, schedule, optim, offload, training. A package may import
 only packages of lower layers; the module graph has no cycle. ``megatron_snake.timeline``,
-which every layer records into, imports nothing of ours.
+which every layer records into, and ``megatron_snake.emulated_device``, whose clock the
+store follows under tools/bench_overlap.py, import nothing of ours.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def test_the_module_graph_has_no_cycle():
             visit(module, [module])
 
 
-def test_the_timeline_imports_nothing_of_ours():
-    assert _imports(PACKAGE / "timeline.py") == set(), \
-        "every layer records into megatron_snake/timeline.py: it must import none of them"
+@pytest.mark.parametrize("module", ["timeline.py", "emulated_device.py"])
+def test_the_modules_every_layer_uses_import_nothing_of_ours(module):
+    assert _imports(PACKAGE / module) == set(), \
+        f"every layer may use megatron_snake/{module}: it must import none of them"

@@ -10,11 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from conftest import build_model, make_microbatches, tiny_args
+import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake import vertical_forward_backward
 from megatron_snake.models.emulated_compute import emulate_compute, unit_forward_flops
@@ -226,7 +228,7 @@ def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(mega
 
 
 # --- the emulated device and its roofline -------------------------------------------------
-def test_the_emulated_device_waits_the_flops_over_its_rate_and_restores_the_units(
+def test_the_emulated_device_runs_the_flops_over_its_rate_apart_from_the_host(
         megatron_world, tmp_path):
     args = tiny_args()
     model = build_model(args, megatron_world)
@@ -235,16 +237,25 @@ def test_the_emulated_device_waits_the_flops_over_its_rate_and_restores_the_unit
     before = vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
     model.zero_grad()
     tflops = 1e-6   # slow enough to dwarf the host's own time
-    with emulate_compute(units, tflops), timeline.recording() as recorded:
+    with emulate_compute(units, tflops) as device, timeline.recording() as recorded:
         vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
-    waits = [s for s in recorded.spans if s["cat"] == "device"]
+        host_done = time.perf_counter() - recorded.t0
+        device.synchronize()
+    waits = sorted((s for s in recorded.spans if s["cat"] == "device"),
+                   key=lambda s: s["start"])
+    assert {s["thread"] for s in waits} == {"device"}
+    # one in-order queue: each span starts when the one before ends, or later
+    assert all(a["end"] <= b["start"] + 1e-9 for a, b in zip(waits, waits[1:]))
+    assert all(s["end"] - s["start"] == pytest.approx(s["args"]["seconds"], abs=1e-9)
+               for s in waits)
+    # the host queued the work and went on: it was done before the device
+    assert host_done < waits[-1]["end"] - 0.5 * sum(s["args"]["seconds"] for s in waits)
     batch, seq = mbs[0]["tokens"].shape
     # forward sweep: units 0..U-2 once per micro-batch; backward: every unit, 1 + 2 waits
     flops = sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units - 1))
     flops += 3 * sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units))
     nominal = sum(s["args"]["seconds"] for s in waits)
     assert nominal == pytest.approx(len(mbs) * flops / (tflops * 1e12), rel=1e-9)
-    assert all(s["end"] - s["start"] >= s["args"]["seconds"] for s in waits)
     # the FLOPs are Megatron's (train_log's count of a step: 3 x forward, the output layer
     # included), here for the len(mbs) micro-batches of this step
     every_unit = sum(unit_forward_flops(units, u, batch, seq) for u in range(units.num_units))
@@ -256,6 +267,28 @@ def test_the_emulated_device_waits_the_flops_over_its_rate_and_restores_the_unit
     after = vertical_forward_backward(model, mbs, checkpoint_interval=2, units=units)
     assert [torch.equal(a, b) for a, b in zip(before, after)] == [True] * len(mbs), \
         "outside the block the units compute again, the same numbers"
+
+
+def test_the_store_waits_for_the_emulated_device_where_a_gpu_run_waits_for_events(tmp_path):
+    """A put's source is copied once the device has produced it, and a get fills a buffer
+    once the device is done with it; without the emulated device, neither waits."""
+    work = 0.4
+    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
+        src, buf = torch.ones(1024), torch.empty(1024)
+        t0 = time.perf_counter()
+        store.put("a", src, tier="host").wait()
+        store.get("a", out=buf).wait()
+        assert time.perf_counter() - t0 < work / 2
+        with emulated_device.emulating() as device:
+            device.launch(work)            # the kernel that writes src
+            t0 = time.perf_counter()
+            store.put("b", src, tier="host").wait()
+            assert time.perf_counter() - t0 >= work - 0.01
+            device.launch(work)            # a kernel that still reads buf
+            t0 = time.perf_counter()
+            store.get("b", out=buf).wait()
+            assert time.perf_counter() - t0 >= work - 0.01
+        assert torch.equal(buf, src)
 
 
 def _span(name, cat, start, end, **args):

@@ -91,3 +91,43 @@ def test_snake_groups_read_ahead_only_within_their_group(megatron_world, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_the_forward_window_reads_no_checkpoint_back_and_matches_megatron(
+        megatron_world, tmp_path, tier):
+    """With a group's checkpoints kept on the device from one unit's forward to the next's
+    (``keep_for_next_unit``, G = 2 of M = 4): the forward sweep reads no checkpoint back,
+    the loss unit takes its inputs from the window, every other input is read once in the
+    backward sweep, and the numbers are Megatron-Core's."""
+    from conftest import gradients, megatron_forward_backward, zero_gradients
+    from test_vertical_exactness import REL_TOL
+
+    model = build_model(tiny_args(), megatron_world)
+    mbs = make_microbatches(4)
+    zero_gradients(model)
+    ref_losses = megatron_forward_backward(model, mbs)
+    ref = gradients(model)
+    zero_gradients(model)
+    with TensorStore(tmp_path, rank=0, host_memory_limit=256 << 20) as tensor_store:
+        store = OffloadedUnitInputs(tensor_store, tier, len(mbs), megatron_world,
+                                    keep_for_next_unit=2)
+        sweeps, reads = [], []
+        begin = store.begin_group
+        store.begin_group = lambda group: sweeps.append(len(sweeps)) or begin(group)
+        get = tensor_store.get
+        tensor_store.get = lambda key, **kw: reads.append((key, sweeps[-1])) or get(key, **kw)
+        losses = vertical_forward_backward(model, mbs, group_size=2, checkpoint_interval=1,
+                                           store=store)
+        store.finish_step()
+        assert tensor_store.keys() == [], "every checkpoint is dropped after its backward"
+    assert [sweep % 2 for _, sweep in reads] == [1] * len(reads), \
+        "checkpoints are read back in the backward sweeps only"
+    units = 5   # inputs of units 1..3 read back; the loss unit's (4) come from the window
+    assert sorted(key for key, _ in reads) == sorted(
+        ("ckpt", u, mb) for u in range(1, units - 1) for mb in range(len(mbs)))
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(losses, ref_losses))
+    grads = gradients(model)   # summed group by group: Megatron's order only up to rounding
+    for name, want in ref.items():
+        rel = ((grads[name] - want).abs().max() / want.abs().max()).item()
+        assert rel <= REL_TOL, name

@@ -1,17 +1,19 @@
 """Overlap efficiency on an emulated device: how close a step comes to its roofline.
 
 The run is the one pretrain_gpt builds (``build_run``): the real vertical schedule, tensor
-store, drive and CPU AdamW, with each unit's compute replaced by a timed wait as long as a
-device of the emulated TFLOP/s would take (megatron_snake/models/emulated_compute.py). The
+store, drive and CPU AdamW, with each unit's compute replaced by device time as long as a
+device of the emulated TFLOP/s would take, on a clock that runs apart from the host as a
+GPU does (megatron_snake/models/emulated_compute.py, megatron_snake/emulated_device.py). The
 emulated TFLOP/s is a GPU's (``--gpu-tflops``, default 400: an H100 at about 40% of its
 dense bf16 peak, typical of Megatron) scaled by this drive's bandwidth over the GPU's drive
 (``--gpu-drive-gbps``, default 6): compute per unit against drive bytes per unit is then the
 GPU's, on this machine.
 
-Each measured step is recorded as a timeline (megatron_snake/timeline.py). Per phase of the
+Each measured step is recorded as a timeline (megatron_snake/timeline.py); it ends when the
+host is done and the device has run what it was given. Per phase of the
 step (the forward sweep; the backward sweep with the step boundary) the roofline is the
 longest of what the phase asks of each resource:
-- device compute: the compute spans (the emulated waits);
+- device compute: the device spans' nominal seconds (real compute: the compute spans);
 - the drive: bytes read / read bandwidth + bytes written / write bandwidth, both measured
   through the store right before and after the step (this disk swings from second to
   second);
@@ -97,7 +99,9 @@ def roofline(spans: list[dict], rates: dict) -> dict:
         return next(s for s in spans if s["name"] == name)
 
     step_start = first("forward_backward")["start"]
-    step_end = first("optimizer step")["end"]
+    # the step ends when the host is done and the device has run what it was given
+    step_end = max([first("optimizer step")["end"]]
+                   + [s["end"] for s in spans if s["cat"] == "device"])
     boundaries = [step_start, first("backward sweep")["start"], step_end]
     phases, total = {}, {}
     for name, (a, b) in zip(("forward", "backward"), zip(boundaries, boundaries[1:])):
@@ -141,8 +145,9 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             before = drive_rates(store)
             with timeline.recording() as recorded:
                 if emulate:
-                    with emulate_compute(run.offloaded.units, tflops):
+                    with emulate_compute(run.offloaded.units, tflops) as clock:
                         run.step(mbs)
+                        clock.synchronize()
                 else:
                     run.step(mbs)
                 # the step's writes and updates still running are its work too (the

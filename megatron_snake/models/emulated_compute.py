@@ -1,11 +1,15 @@
 """An emulated compute device for benchmarks (tools/bench_overlap.py): each unit's compute
-is replaced by a timed wait as long as a device of a given TFLOP/s would take.
+is replaced by device time as long as a device of a given TFLOP/s would take.
 
 Everything else of a step is real: the schedule, the store and its drive, the CPU
 optimizer, the unit checkpoints (the unit passes its input on, so the checkpoints keep
-their real shapes and bytes). The wait is ``time.sleep``, which releases the CPU to the
-store's and the optimizer's threads, as a GPU would. So the ratio of compute to drive,
-copy and optimizer work can be set to a real GPU's on a machine without one.
+their real shapes and bytes). The device time goes on the clock of
+``megatron_snake.emulated_device``, which runs apart from the host as a GPU's compute
+stream does: a unit's forward or backward is queued and the host goes on, and the store's
+workers wait for the clock where they would wait for a CUDA event (a unit's output copied
+out, a buffer the device still reads). The CPU stays free for the store's and the
+optimizer's threads. So the ratio of compute to drive, copy and optimizer work can be set
+to a real GPU's on a machine without one.
 
 Numbers change under emulation (the units compute nothing and every gradient is zero), so
 it is a benchmark mode only: ``emulate_compute`` patches one ``GPTUnits`` object for the
@@ -14,11 +18,11 @@ duration of a ``with`` block, and no flag of the training script turns it on.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 
+import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import GPTUnits, MicroBatchContext
 from megatron_snake.planner.workload import layer_flops_per_token
@@ -46,38 +50,38 @@ def unit_forward_flops(units: GPTUnits, unit: int, batch: int, seq_length: int) 
     return flops * tokens
 
 
-class _TimedWait(torch.autograd.Function):
-    """Identity on the activation; forward waits ``seconds``, backward twice as long (a
-    backward computes the gradients of both the input and the weights)."""
+class _DeviceTime(torch.autograd.Function):
+    """Identity on the activation; forward queues ``seconds`` on the device's clock,
+    backward twice as long (a backward computes the gradients of both the input and the
+    weights)."""
 
     @staticmethod
-    def forward(ctx, hidden, seconds: float):
-        ctx.seconds = seconds
-        _device_wait(seconds)
+    def forward(ctx, hidden, seconds: float, clock):
+        ctx.seconds, ctx.clock = seconds, clock
+        _launch(clock, seconds)
         return hidden.view_as(hidden)
 
     @staticmethod
     def backward(ctx, grad):
-        _device_wait(2 * ctx.seconds)
+        _launch(ctx.clock, 2 * ctx.seconds)
         # a view: autograd can hand it to the input as its gradient without the copy a
         # device would make in microseconds and the CPU in milliseconds
-        return grad.view_as(grad), None
+        return grad.view_as(grad), None, None
 
 
-def _device_wait(seconds: float) -> None:
-    """The device's time for the work, as a sleep (the CPU is free meanwhile). The span
-    carries the nominal seconds: what the host adds around it (waking, taking the GIL back
-    from the store's threads) is the host's delay, not the device's."""
-    with timeline.span("device", "device", seconds=seconds):
-        time.sleep(seconds)
+def _launch(clock, seconds: float) -> None:
+    """Queue the work on the device's clock and record it on the timeline's device row."""
+    start, end = clock.launch(seconds)
+    timeline.record("device", "device", start, end, thread="device", seconds=seconds)
 
 
 @contextmanager
 def emulate_compute(units: GPTUnits, tflops: float):
-    """Within the block, ``units.forward_unit`` waits what a ``tflops`` device would take
-    instead of computing. The vertical schedule's forward sweep then waits one forward per
-    (unit, micro-batch) and its backward sweep a recompute and a backward (three), as the
-    device would."""
+    """Within the block, ``units.forward_unit`` queues what a ``tflops`` device would take on
+    the emulated device's clock instead of computing (the block runs
+    ``emulated_device.emulating()``; yields the clock). The vertical schedule's forward
+    sweep then queues one forward per (unit, micro-batch) and its backward sweep a
+    recompute and a backward (three), as the device would."""
     if tflops <= 0:
         raise ValueError(f"emulated TFLOP/s must be > 0, got {tflops}")
     dtype = units.config.params_dtype
@@ -95,13 +99,14 @@ def emulate_compute(units: GPTUnits, tflops: float):
             if key not in embedded:
                 embedded[key] = torch.zeros(key[0], dtype=dtype, device=key[1])
             hidden = embedded[key].detach().requires_grad_(torch.is_grad_enabled())
-        out = _TimedWait.apply(hidden, seconds)
+        out = _DeviceTime.apply(hidden, seconds, clock)
         if units.owns_head(unit):   # per-token "loss" [b, s], cheap and differentiable
             return out[..., 0].float().t().contiguous()
         return out
 
-    units.forward_unit = forward_unit   # an instance attribute shadows the method
-    try:
-        yield
-    finally:
-        del units.forward_unit
+    with emulated_device.emulating() as clock:
+        units.forward_unit = forward_unit   # an instance attribute shadows the method
+        try:
+            yield clock
+        finally:
+            del units.forward_unit

@@ -64,8 +64,10 @@ class PlannedUnitInputs(OffloadedUnitInputs):
     ``event_names``. No fixed lookahead: a read the plan does not schedule (a checkpoint it
     did not see, or a timeline that went another way) is issued at its use."""
 
-    def __init__(self, plan, event_names, store, num_microbatches: int, device):
-        super().__init__(store, plan_tier(plan), num_microbatches, device, lookahead=0)
+    def __init__(self, plan, event_names, store, num_microbatches: int, device,
+                 keep_for_next_unit: int = 0):
+        super().__init__(store, plan_tier(plan), num_microbatches, device, lookahead=0,
+                         keep_for_next_unit=keep_for_next_unit)
         self.plan, self.event_names = plan, list(event_names)
         self._prefetch_at: dict = {}     # event index -> [checkpoint key]
         for key, placement in plan.placements.items():
@@ -81,7 +83,8 @@ class PlannedUnitInputs(OffloadedUnitInputs):
             self.event_names[index] == (sweep, unit, microbatch)
         for key in self._prefetch_at.get(index, ()) if on_plan else ():
             _, ckpt_unit, mb = key
-            if (ckpt_unit, mb) not in self._reads and key in self.store:
+            if (ckpt_unit, mb) not in self._reads and key not in self._passing \
+                    and key in self.store:
                 self._reads[(ckpt_unit, mb)] = self.store.get(key, device=self.device)
                 self.prefetch_log.append((index, key))
         yield
@@ -97,8 +100,10 @@ class ActivationPlanner:
     ones that follow the plan."""
 
     def __init__(self, store, device, *, profile_iters: int, gpu_budget_bytes: int | None,
-                 host_budget_bytes: int, plan_path: str | None, log=print):
+                 host_budget_bytes: int, plan_path: str | None, log=print,
+                 keep_for_next_unit: int = 0):
         self.store, self.device, self.log = store, device, log
+        self.keep_for_next_unit = keep_for_next_unit   # OffloadedUnitInputs
         self.profile_iters, self.plan_path = profile_iters, plan_path
         if plan_path:
             _check_plan_path(plan_path)   # now, not after the profiled iterations
@@ -117,7 +122,8 @@ class ActivationPlanner:
     def step_store(self, num_microbatches: int, *, forward_only: bool = False):
         if forward_only:  # evaluation: a different timeline, not profiled
             tier_of = plan_tier(self.plan) if self.plan else "nvme"
-            return OffloadedUnitInputs(self.store, tier_of, num_microbatches, self.device)
+            return OffloadedUnitInputs(self.store, tier_of, num_microbatches, self.device,
+                                       keep_for_next_unit=self.keep_for_next_unit)
         if self.plan is not None and num_microbatches != self._microbatches:
             self.log(f"> {num_microbatches} micro-batches instead of {self._microbatches}: "
                      "profiling again for a new activation plan")
@@ -126,9 +132,9 @@ class ActivationPlanner:
         if self.plan is None:
             self._microbatches = num_microbatches
             return RecordingUnitInputs(self.recorder, self.store, "nvme", num_microbatches,
-                                        self.device)
+                                        self.device, keep_for_next_unit=self.keep_for_next_unit)
         return PlannedUnitInputs(self.plan, self._event_names, self.store, num_microbatches,
-                                  self.device)
+                                  self.device, keep_for_next_unit=self.keep_for_next_unit)
 
     def after_step(self, checkpoints) -> None:
         checkpoints.finish_step()

@@ -4,10 +4,13 @@ Implements the schedule's ``UnitStore`` interface (megatron_snake/schedule/unit_
 for activations: a checkpoint is written to its tier (``host`` or ``nvme``, or per key by a
 placement plan, which may also keep it in memory) as soon as a unit produces it, and read
 back ahead of use, ``lookahead`` micro-batches ahead in snake order (or, under a plan, at
-the plan's prefetch points: activation_plan.PlannedUnitInputs). The first micro-batch
-into a unit is the one that just left the previous unit; its read is served from memory
-while its write is still in flight (the store forwards it). Unit weights are another store's
-concern (megatron_snake/offload/unit_weights.py).
+the plan's prefetch points: activation_plan.PlannedUnitInputs). In the forward sweep a
+checkpoint is also kept on the device until the next unit reads it (``keep_for_next_unit``
+of them: one snake group's), so the forward sweep reads no checkpoint back: on a GPU each
+such read is a copy the device's next micro-batch waits for, and the copies queue with the
+weights' and the optimizer's reads. The checkpoints the loss unit reads first in the
+backward sweep are served the same way. Unit weights are another store's concern
+(megatron_snake/offload/unit_weights.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class OffloadedUnitInputs(UnitStore):
     key giving "gpu" (stay in memory), "host" or "nvme" (a placement plan)."""
 
     def __init__(self, store, tier, num_microbatches: int, device: torch.device,
-                 lookahead: int = 2):
+                 lookahead: int = 2, keep_for_next_unit: int = 0):
         if isinstance(tier, str) and tier not in ("host", "nvme"):
             raise ValueError(f"--snake-activation-tier: {tier!r} is not an offload tier "
                              "(host or nvme)")
@@ -36,6 +39,8 @@ class OffloadedUnitInputs(UnitStore):
         self._writes = []    # put handles: waited at the end of the step so errors surface
         self._reads = {}     # (unit, mb) -> get handle issued ahead of use
         self._kept = {}      # key -> tensor the plan keeps in memory
+        self.keep_for_next_unit = keep_for_next_unit
+        self._passing = {}   # key -> tensor just saved, kept for the next unit's read
         self.shapes = set()  # (shape, dtype) of the checkpoints saved: a plan is per shape
         self.live = {"gpu": 0, "host": 0, "nvme": 0}   # checkpoint bytes per tier, now
         self.peak = dict(self.live)                     # ... and at most this step
@@ -49,8 +54,9 @@ class OffloadedUnitInputs(UnitStore):
         order = [self._group[i] for i in snake_order(unit, len(self._group))]
         start = 0 if after is None else order.index(after) + 1
         for mb in order[start:start + self.lookahead]:
-            if (unit, mb) not in self._reads and self._key(unit, mb) in self.store:
-                self._reads[(unit, mb)] = self.store.get(self._key(unit, mb), device=self.device)
+            key = self._key(unit, mb)
+            if (unit, mb) not in self._reads and key not in self._passing and key in self.store:
+                self._reads[(unit, mb)] = self.store.get(key, device=self.device)
 
     def save_input(self, unit, microbatch, hidden):
         key = self._key(unit, microbatch)
@@ -64,11 +70,17 @@ class OffloadedUnitInputs(UnitStore):
             self._kept[key] = hidden
             return
         self._writes.append(self.store.put(key, hidden, tier=tier, kind=KIND))
+        if len(self._passing) < self.keep_for_next_unit:
+            self._passing[key] = hidden
 
     def load_input(self, unit, microbatch):
-        kept = self._kept.get(self._key(unit, microbatch))
+        key = self._key(unit, microbatch)
+        kept = self._kept.get(key)
         if kept is not None:
             return kept
+        passing = self._passing.pop(key, None)
+        if passing is not None:   # still on the device: its copy stays for later reads
+            return passing
         handle = self._reads.pop((unit, microbatch), None)
         prefetched = handle is not None
         if handle is None:
@@ -80,6 +92,7 @@ class OffloadedUnitInputs(UnitStore):
         key = self._key(unit, microbatch)
         tier, nbytes = self._tier_bytes.pop(key)
         self.live[tier] -= nbytes
+        self._passing.pop(key, None)
         if self._kept.pop(key, None) is None:
             self.store.delete(key)
 
@@ -98,5 +111,6 @@ class OffloadedUnitInputs(UnitStore):
     def finish_step(self):
         """Wait for every write of the step: an I/O or integrity error raises here."""
         writes, self._writes = self._writes, []
+        self._passing.clear()
         for handle in writes:
             handle.wait()

@@ -111,8 +111,10 @@ class OffloadedUnits(UnitStore):
         """The layout's whole flat of working weights on the compute device: this rank's
         records, all-gathered."""
         start, end, _ = self.dp.shard(lay.numel)
-        local = torch.empty(end - start, dtype=self.dtype, device=self.device)
-        handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start])
+        # a new buffer: its copies run while the device computes the unit before
+        local = self.store.new_buffer(end - start, self.dtype, self.device)
+        handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start],
+                                  new_out=True)
                    for part, (lo, hi) in self.record_parts(lay)]
         for handle in handles:
             handle.wait()

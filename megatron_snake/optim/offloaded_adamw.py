@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
@@ -223,7 +224,7 @@ class OffloadedAdamW(HostAdamW):
             if hi == lo:
                 continue
             handle = self._put_gradient(("grad", key, part), shard[lo - start:hi - start])
-            if shard.is_cuda:
+            if shard.is_cuda or emulated_device.active() is not None:
                 self._device_gradients.append(handle)
             if part not in self._parts_waiting_for_step():
                 self._submit(key, part, self._hyper)

@@ -101,17 +101,19 @@ def _buffers(nbytes: float, w: Workload) -> int:
 def _checkpoint_counts(w: Workload, stage: int) -> tuple[int, int, int]:
     """(unit inputs stored per step, read back in the backward sweep, read in the forward
     sweep). The first stage's first unit starts from the embedding; a later stage stores
-    what it received. In the forward sweep a unit reads its group's inputs but the one that
-    just left the previous unit (served from memory)."""
+    what it received. A group's inputs stay on the device from one unit's forward to the
+    next's (the forward window), so the forward sweep reads none back, and the loss unit,
+    first in the backward sweep, takes its inputs from there too."""
     units = len(w.stages[stage].unit_params)
     stored = (units - (1 if stage == 0 else 0)) * w.micro_batches
-    forward_reads = max(0, units - 2) * (w.group_size - 1) * w.groups
-    return stored, stored, forward_reads
+    from_window = w.micro_batches if stage == w.pp - 1 and stored else 0
+    return stored, stored - from_window, 0
 
 
 def device_working_set(w: Workload, st: Stage) -> int:
-    """The largest unit's weights and fp32 gradient, the tied weights, one micro-batch's
-    input and output, the next unit prefetched, and the activations of one micro-batch's
+    """The largest unit's weights and fp32 gradient, the tied weights, a group's unit
+    inputs (the forward window) and one micro-batch's output, the next unit prefetched,
+    and the activations of one micro-batch's
     recompute (Korthikanti et al.: s b h (34 + 5 a s / h) bytes a layer at 2 bytes, over
     the tensor-parallel ranks)."""
     e, c = w.elem_bytes, w.checkpoint_bytes
@@ -119,7 +121,8 @@ def device_working_set(w: Workload, st: Stage) -> int:
         (34 + 5 * w.heads * w.seq_length / w.hidden_size) / w.tp * e / 2
     units = max(p * (e + GRAD_BYTES) + layers * act_layer
                 for p, layers in zip(st.unit_params, st.unit_layers))
-    return int(units + st.shared_params * (e + GRAD_BYTES) + 2 * c + max(st.unit_params) * e)
+    return int(units + st.shared_params * (e + GRAD_BYTES) + (1 + w.group_size) * c
+               + max(st.unit_params) * e)
 
 
 def _alive(w: Workload, stage: int, stored: int) -> int:

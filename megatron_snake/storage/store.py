@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.storage.directory import RankDir
 from megatron_snake.storage.engine import make_engine
@@ -368,18 +369,36 @@ class TensorStore:
             self._queued_bytes -= nbytes
             self._queued_cv.notify_all()
 
-    def get(self, key, device=None, dtype=None, out=None):
-        """Read `key` back; wait() returns a new tensor, or `out` filled."""
+    def new_buffer(self, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """A buffer for reads (``get`` makes its own with it; a caller passes part of one
+        as ``out`` with ``new_out=True``). On a GPU it is made on the store's copy stream,
+        so the copies that fill it need not wait for the work queued on the caller's stream
+        (a buffer made there may reuse memory that work still reads: the device would
+        drain before every read), and marked as used by the caller's stream, so its memory
+        is not reused before that stream is done with it."""
+        device = self.device if device is None else torch.device(device)
+        if not self._cuda or device != self.device:
+            return torch.empty(shape, dtype=dtype, device=device)
+        caller = torch.cuda.current_stream(self.device)
+        with _on(self._h2d):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf.record_stream(caller)
+        return buf
+
+    def get(self, key, device=None, dtype=None, out=None, new_out=False):
+        """Read `key` back; wait() returns a new tensor, or `out` filled. ``new_out``: out
+        is (part of) a ``new_buffer`` nothing has used yet, so the read fills it without
+        waiting for the device's queued work."""
         with self._lock:
             e = self._entry(key)
             device = torch.device(device) if device is not None else (
                 out.device if out is not None else e.device)
             dst = self._new_dest(e, device, dtype, out)
             result = out if out is not None else dst if dtype in (None, e.dtype) else \
-                torch.empty(e.shape, dtype=dtype, device=device)
-            # dst and result are made on (or belong to) the caller's stream: our copy stream
-            # waits for it, and fills them there
-            free = self._record_ready(dst)
+                self.new_buffer(e.shape, dtype, device)
+            # out belongs to the caller's stream: our copy stream waits for the work queued
+            # there, then fills it; buffers of our own (or a new_out) are new
+            free = self._record_ready(dst) if out is not None and not new_out else None
             # One read of e.source: the put's worker clears it without taking our lock.
             source = e.source
             if source is not None and not (source.is_cuda or dst.is_cuda):
@@ -547,12 +566,14 @@ class TensorStore:
         return f
 
     def _record_ready(self, tensor):
-        """An event after the work queued so far on ``tensor``'s stream (the caller's)."""
+        """An event after the work queued so far on ``tensor``'s stream (the caller's); on
+        the emulated device of a benchmark, the point on its clock (emulated_device.py)."""
         if tensor.is_cuda:
             ev = _host_event()
             ev.record(torch.cuda.current_stream(tensor.device))
             return ev
-        return None
+        clock = emulated_device.active()
+        return clock.event() if clock is not None else None
 
     def _new_dest(self, e, device, dtype, out):
         """The tensor the bytes land in: out itself when it is contiguous with the stored
@@ -562,7 +583,7 @@ class TensorStore:
                 raise ValueError(f"get({e.key!r}): out has shape {tuple(out.shape)}, stored {e.shape}")
             if out.dtype == e.dtype and out.is_contiguous() and out.device == device:
                 return out
-        return torch.empty(e.shape, dtype=e.dtype, device=device)
+        return self.new_buffer(e.shape, e.dtype, device)
 
     def _finish(self, dst, result):
         """Fill ``result`` (out, or the converted dtype) from dst on the copy stream: it is
@@ -589,7 +610,8 @@ class TensorStore:
     def _contiguous_source(self, tensor, ready):
         if ready is not None:
             _wait_for(self._d2h, ready)
-            return _run_copy(self._d2h, lambda: _contiguous(tensor))
+            if tensor.is_cuda:
+                return _run_copy(self._d2h, lambda: _contiguous(tensor))
         return _contiguous(tensor)
 
     # ---------------------------------------------------------------- tier writers

@@ -390,14 +390,23 @@ def nvme_bytes(args, tiers: StateTiers, weights_bytes: int, optimizer_bytes: int
     return total
 
 
+def forward_window(args) -> int:
+    """Unit checkpoints kept on the device between a unit's forward and the next unit's
+    (OffloadedUnitInputs' ``keep_for_next_unit``): one snake group's."""
+    return getattr(args, "snake_group_size", None) or getattr(args, "num_microbatches", 1)
+
+
 def unit_working_set_bytes(args, params: UnitParams) -> tuple[int, int]:
     """(bytes, unit) of the largest device working set of one unit: its weights and fp32
-    gradient, the shared (tied) weights and their fp32 gradient, and one micro-batch's
-    input and output checkpoint. Activations inside the unit come on top."""
+    gradient, the shared (tied) weights and their fp32 gradient, and the checkpoints
+    between two units of the forward sweep (``forward_window``) with one micro-batch's
+    output. Activations inside the unit come on top."""
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     checkpoint = args.seq_length * args.micro_batch_size * args.hidden_size * elem
+    checkpoints = 1 + max(1, forward_window(args))
     shared = params.shared.numel * (elem + 4)
-    sizes = [lay.numel * (elem + 4) + shared + 2 * checkpoint for lay in params.units]
+    sizes = [lay.numel * (elem + 4) + shared + checkpoints * checkpoint
+             for lay in params.units]
     unit = max(range(len(sizes)), key=sizes.__getitem__)
     return sizes[unit], unit
 

@@ -27,7 +27,7 @@ from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import (horizontal_forward_backward,
                                               vertical_forward_backward)
-from megatron_snake.training.offloaded_state import unit_working_set_bytes
+from megatron_snake.training.offloaded_state import forward_window, unit_working_set_bytes
 
 @dataclass
 class StepResult:
@@ -104,7 +104,8 @@ def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner
     return ActivationPlanner(tensor_store, device, profile_iters=args.snake_profile_iters,
                              gpu_budget_bytes=gpu_budget,
                              host_budget_bytes=args.snake_host_memory_limit // 2,
-                             plan_path=path, log=print if rank0 else (lambda *a: None))
+                             plan_path=path, log=print if rank0 else (lambda *a: None),
+                             keep_for_next_unit=forward_window(args))
 
 
 def make_forward_backward(args, tensor_store=None, device=None, weights=None,
@@ -149,7 +150,8 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None,
             checkpoints = planner.step_store(len(microbatches), forward_only=forward_only)
         elif args.snake_activation_tier != "device":
             checkpoints = OffloadedUnitInputs(tensor_store, args.snake_activation_tier,
-                                               len(microbatches), device)
+                                               len(microbatches), device,
+                                               keep_for_next_unit=forward_window(args))
         if saved is not None:
             saved.add_parameters(model.parameters())  # never offload weights as activations
             saved.reset_peak()

@@ -1,6 +1,6 @@
 """TensorStore on the GPU: bit-exact round trips over tiers x dtypes x layouts between the
 device and the CPU, the caller's stream respected by put (waits for the producer) and by
-get (waits for readers of `out`), forwarding from a CUDA source while its write is in
+get (waits for readers of `out`, and not for the caller's work into a new buffer), forwarding from a CUDA source while its write is in
 flight, nothing left behind after many cycles, and the default device in a process that
 runs Megatron on the CPU."""
 
@@ -170,6 +170,34 @@ def test_get_waits_for_readers_of_out(store, tier, layout, stream):
 
     probe(late=False)
     probe(late=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tier", ("host", "nvme"))
+def test_a_new_buffer_is_filled_while_the_callers_stream_still_computes(store, tier):
+    """get(out=part of new_buffer(), new_out=True) does not wait for the caller's queued
+    work (the next unit's weights are read while the device computes this one), and its
+    memory is not reused while the caller's stream still reads it."""
+    value = torch.randn(1 << 20)
+    store.put("x", value, tier=tier).wait()
+    sync()
+    caller = torch.cuda.current_stream(DEVICE)
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(SLEEP)                            # the unit the device computes now
+    busy.record(caller)
+    buf = store.new_buffer(value.numel(), value.dtype, DEVICE)
+    store.get("x", out=buf, new_out=True).wait()
+    assert not busy.query(), "the read waited for the caller's queued work"
+    assert_bits(buf, value.to(DEVICE), "new buffer")
+    reader = torch.empty_like(buf)
+    torch.cuda._sleep(SLEEP)                            # a late kernel still reads buf ...
+    reader.copy_(buf)
+    del buf                                             # ... when the caller drops it
+    again = store.new_buffer(value.numel(), value.dtype, DEVICE)
+    store.put("y", torch.zeros_like(value), tier=tier).wait()
+    store.get("y", out=again, new_out=True).wait()
+    sync()
+    assert_bits(reader, value.to(DEVICE), "the buffer's memory was reused under its reader")
 
 
 @requires_cuda
