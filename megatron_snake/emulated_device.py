@@ -72,6 +72,13 @@ def active() -> DeviceClock | None:
     return _active
 
 
+def host_read() -> None:
+    """The host reads a device value here (``.item()``, ``.to("cpu")`` of a CUDA tensor):
+    wait for the emulated device's queue, as the read would wait for the GPU's."""
+    if _active is not None:
+        _active.synchronize()
+
+
 @contextmanager
 def emulating():
     """``with emulating() as clock:`` the device compute of the block is the clock's."""

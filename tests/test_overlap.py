@@ -195,7 +195,7 @@ def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(mega
     torch.manual_seed(0)
     model = build_model(tiny_args(), megatron_world)
     params = UnitParams.of(GPTUnits(model, 2))
-    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
+    with TensorStore(tmp_path, host_memory_limit=1024 * MiB) as tstore:  # room for all
         opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
                              alpha=0.3)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
@@ -213,6 +213,18 @@ def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(mega
         for name in ("master", "exp_avg", "exp_avg_sq"):
             for part in PARTS:
                 assert tstore.tiers((name, first, part)) == ["host", "nvme"], (name, part)
+        # and, one layout after the other as each read comes in, every layout's: more
+        # layouts than the sweep visits units (the shared one too)
+        assert len(weights._update_order) > len(params.units)
+
+        def read_ahead(key):
+            return all(tstore.tiers((name, key, part)) == ["host", "nvme"]
+                       for name in ("master", "exp_avg", "exp_avg_sq") for part in PARTS)
+        deadline = time.monotonic() + 30
+        while not all(map(read_ahead, weights._update_order)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [read_ahead(key) for key in weights._update_order] == \
+            [True] * len(weights._update_order)
         opt.step()
         read_before = tstore.counters.by_kind["optim"]["nvme"][0]
         opt.flush()   # the update of that layout reads nothing of it from the drive

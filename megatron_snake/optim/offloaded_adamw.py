@@ -117,6 +117,8 @@ class OffloadedAdamW(HostAdamW):
         self._read_ahead: list = []     # handles of the state read ahead last
         self._read_ahead_keys: list = []  # every record read ahead this step
         self._read_ahead_next = 0       # position in the forward order, this step
+        self._read_ahead_order = None   # that order while the backward sweep reads ahead
+        self._read_ahead_lock = threading.Lock()   # the chain runs on the store's workers
         self._device_gradients: list = []  # puts of the last gradient still on the device
         self._queued: list = []         # submitted updates not yet started, in order
         self._lock = threading.Lock()
@@ -251,6 +253,7 @@ class OffloadedAdamW(HostAdamW):
         (update_successful, grad_norm, num_zeros_in_grad)."""
         self._drain_reductions()  # the last unit's gradient: the end of the backward sweep
         self._finish_tied_sums()
+        emulated_device.host_read()   # the norms and the overflow flag are the device's
         if self.grad_scaler is not None:
             found = self.dp.max(self._found_inf.to("cpu") if self._found_inf is not None
                                 else torch.zeros(1))
@@ -286,16 +289,25 @@ class OffloadedAdamW(HostAdamW):
             self._clip_coef = clip_coefficient(self.clip_grad, total)
         self.iteration += 1
         self._hyper, self._norms = None, {}
-        self._read_ahead_next, self._read_ahead_keys = 0, []
+        self._stop_read_ahead()
         return True, total.item(), None
+
+    def _stop_read_ahead(self) -> None:
+        """The step boundary: no more read-ahead for the forward sweep about to run."""
+        with self._read_ahead_lock:
+            self._read_ahead_order = None
+            self._read_ahead_next, self._read_ahead_keys = 0, []
 
     def _drop_read_ahead(self) -> None:
         """A skipped step updates nothing: the state read ahead for it leaves host memory
         (the drive's copy stays), so it does not hold the pool through the next step."""
-        for key in self._read_ahead_keys:
+        with self._read_ahead_lock:
+            self._read_ahead_order = None
+            keys = self._read_ahead_keys
+        for key in keys:
             if key in self.store:
                 self.store.evict(key, tier="nvme")
-        self._read_ahead_next, self._read_ahead_keys = 0, []
+        self._stop_read_ahead()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in per-unit buffers that start at zero every step."""
@@ -314,26 +326,41 @@ class OffloadedAdamW(HostAdamW):
     def read_ahead_state(self, order: list) -> None:
         """Called at each unit of the backward sweep (``order``: the layouts in the order
         the next forward sweep updates them). Reads the master weights and moments of the
-        next layout whose update will wait for the forward sweep into host memory, if the
-        pool has room: the forward sweep, which also writes every updated state back, then
-        reads none of it from the drive, and the backward sweep's idle drive does the
-        reading. One layout is read at a time: a read still running when the next unit
-        starts means the drive has no slack, and nothing more is asked of it (so the
-        balance follows the measured I/O and compute, not a guess)."""
-        if any(not h.done() for h in self._read_ahead):
-            return
-        deferred = self._parts_waiting_for_step()
-        while self._read_ahead_next < len(order):
-            key = order[self._read_ahead_next]
-            self._read_ahead_next += 1
-            parts = [p for p, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key]))
-                     if hi > lo and p in deferred]
-            if parts:
-                keys = [(name, key, part) for part in parts for name in STATES]
-                self._read_ahead = [self.store.prefetch(k, tier="host", if_room=True,
-                                                        background=True) for k in keys]
-                self._read_ahead_keys += keys
+        layouts whose update will wait for the forward sweep into host memory, in that
+        order, while the pool has room: the forward sweep, which also writes every updated
+        state back, then reads none of it from the drive, and the backward sweep's spare
+        drive time does the reading. One layout is read at a time, on the store's
+        read-ahead workers (reads the device needs never queue behind them), and the next
+        as soon as it is in, until the step boundary: the drive's slack is used as it
+        comes, so the balance follows the measured I/O and compute, not a guess."""
+        with self._read_ahead_lock:
+            self._read_ahead_order = order
+        self._read_ahead_one()
+
+    def _read_ahead_one(self) -> None:
+        """Issue the next layout's read-ahead unless one is running or the step boundary
+        has passed; its completion issues the one after."""
+        with self._read_ahead_lock:
+            order = self._read_ahead_order
+            if order is None or any(not h.done() for h in self._read_ahead):
                 return
+            deferred = self._parts_waiting_for_step()
+            while self._read_ahead_next < len(order):
+                key = order[self._read_ahead_next]
+                self._read_ahead_next += 1
+                parts = [p for p, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key]))
+                         if hi > lo and p in deferred]
+                if parts:
+                    keys = [(name, key, part) for part in parts for name in STATES]
+                    self._read_ahead = [self.store.prefetch(k, tier="host", if_room=True,
+                                                            background=True) for k in keys]
+                    self._read_ahead_keys += keys
+                    break
+            else:
+                return
+            handles = list(self._read_ahead)
+        for handle in handles:   # the last one in issues the next layout's
+            handle.add_done_callback(lambda: self._read_ahead_one())
 
     def pending(self, key, part: str | None = None) -> bool:
         """Whether an update of ``key`` (of its ``part`` only, when given) is deferred or

@@ -65,6 +65,11 @@ class Handle:
     def done(self):
         return self._future.done()
 
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn()`` when the operation is done (at once if it is), on the thread that
+        finishes it."""
+        self._future.add_done_callback(lambda _: fn())
+
     def wait(self, prefetched=False):
         """The result, once done. ``prefetched``: this read was issued ahead of its use, so
         any time blocked here is also counted as waiting for a prefetch (it arrived late)."""
@@ -103,6 +108,9 @@ class _Done:
 
     def result(self):
         return self._value
+
+    def add_done_callback(self, fn):
+        fn(self)
 
 
 @dataclass

@@ -463,8 +463,9 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
             raise ValueError(
                 f"--snake-gpu-memory-limit {mib(args.snake_gpu_memory_limit)} is below "
                 f"the working set of unit {unit} ({mib(need)}: its weights and fp32 "
-                "gradient, the tied weights, one micro-batch's checkpoints); the minimum is "
-                f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval.")
+                "gradient, the tied weights, a snake group's unit inputs); the minimum is "
+                f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval or "
+                "--snake-group-size.")
     dp = DataParallel.from_megatron()
     full_numel = sum(lay.numel for lay in params.all_layouts())
     numel = -(-full_numel // dp.size)  # this rank's share

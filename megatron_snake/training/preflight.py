@@ -282,7 +282,7 @@ class Preflight:
             f"{len(self.counts.units)} unit(s){shared}, {self.elem}-byte working weights",
             f"> pre-flight device: {size(self.device_bytes)} (working set of unit "
             f"{self.working_set_unit} {size(self.working_set)}: its weights and fp32 "
-            f"gradient, the tied weights, one micro-batch's checkpoints; the next unit "
+            f"gradient, the tied weights, a snake group's unit inputs; the next unit "
             f"prefetched {size(self.prefetch)}{pinned}); activations inside a unit come on "
             "top",
             f"> pre-flight host: {size(self.host_bytes)} (pool {size(self.pool_bytes)}: "
@@ -379,8 +379,9 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
         errors.append(ValueError(
             f"--snake-gpu-memory-limit {mib(limit)} is below the working set of unit "
             f"{pf.working_set_unit} ({mib(pf.working_set)}: its weights and fp32 gradient, "
-            f"the tied weights, one micro-batch's checkpoints); the minimum is "
-            f"{pf.working_set} bytes. Raise the limit or lower --snake-checkpoint-interval."))
+            f"the tied weights, a snake group's unit inputs); the minimum is "
+            f"{pf.working_set} bytes. Raise the limit or lower --snake-checkpoint-interval "
+            "or --snake-group-size."))
     try:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
