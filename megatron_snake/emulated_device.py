@@ -32,9 +32,6 @@ class ClockEvent:
     def __init__(self, at: float):
         self.at = at
 
-    def query(self) -> bool:
-        return time.perf_counter() >= self.at
-
     def synchronize(self) -> None:
         delay = self.at - time.perf_counter()
         if delay > 0:

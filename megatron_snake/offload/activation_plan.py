@@ -83,9 +83,7 @@ class PlannedUnitInputs(OffloadedUnitInputs):
             self.event_names[index] == (sweep, unit, microbatch)
         for key in self._prefetch_at.get(index, ()) if on_plan else ():
             _, ckpt_unit, mb = key
-            if (ckpt_unit, mb) not in self._reads and key not in self._passing \
-                    and key in self.store:
-                self._reads[(ckpt_unit, mb)] = self.store.get(key, device=self.device)
+            if self._issue_read(ckpt_unit, mb):
                 self.prefetch_log.append((index, key))
         yield
 

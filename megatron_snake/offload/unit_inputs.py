@@ -54,9 +54,16 @@ class OffloadedUnitInputs(UnitStore):
         order = [self._group[i] for i in snake_order(unit, len(self._group))]
         start = 0 if after is None else order.index(after) + 1
         for mb in order[start:start + self.lookahead]:
-            key = self._key(unit, mb)
-            if (unit, mb) not in self._reads and key not in self._passing and key in self.store:
-                self._reads[(unit, mb)] = self.store.get(key, device=self.device)
+            self._issue_read(unit, mb)
+
+    def _issue_read(self, unit: int, microbatch: int) -> bool:
+        """Start reading a checkpoint back for its use, unless its read is issued, it is
+        still on the device for the next unit, or it is not stored. True if issued."""
+        key = self._key(unit, microbatch)
+        if (unit, microbatch) in self._reads or key in self._passing or key not in self.store:
+            return False
+        self._reads[(unit, microbatch)] = self.store.get(key, device=self.device)
+        return True
 
     def save_input(self, unit, microbatch, hidden):
         key = self._key(unit, microbatch)

@@ -292,22 +292,21 @@ class OffloadedAdamW(HostAdamW):
         self._stop_read_ahead()
         return True, total.item(), None
 
-    def _stop_read_ahead(self) -> None:
-        """The step boundary: no more read-ahead for the forward sweep about to run."""
+    def _stop_read_ahead(self) -> list:
+        """The step boundary: no more read-ahead for the forward sweep about to run.
+        Returns the records read ahead this step."""
         with self._read_ahead_lock:
+            keys = self._read_ahead_keys
             self._read_ahead_order = None
             self._read_ahead_next, self._read_ahead_keys = 0, []
+        return keys
 
     def _drop_read_ahead(self) -> None:
         """A skipped step updates nothing: the state read ahead for it leaves host memory
         (the drive's copy stays), so it does not hold the pool through the next step."""
-        with self._read_ahead_lock:
-            self._read_ahead_order = None
-            keys = self._read_ahead_keys
-        for key in keys:
+        for key in self._stop_read_ahead():
             if key in self.store:
                 self.store.evict(key, tier="nvme")
-        self._stop_read_ahead()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in per-unit buffers that start at zero every step."""
@@ -360,7 +359,7 @@ class OffloadedAdamW(HostAdamW):
                 return
             handles = list(self._read_ahead)
         for handle in handles:   # the last one in issues the next layout's
-            handle.add_done_callback(lambda: self._read_ahead_one())
+            handle.add_done_callback(self._read_ahead_one)
 
     def pending(self, key, part: str | None = None) -> bool:
         """Whether an update of ``key`` (of its ``part`` only, when given) is deferred or
