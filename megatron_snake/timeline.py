@@ -63,10 +63,11 @@ def _thread_order(name: str):
     """The emulated device, the main thread, then compute-adjacent workers, then the
     store's pools."""
     for rank, prefix in enumerate(("device", "MainThread", "snake-adamw", "snake-store-read",
-                                   "snake-store-ahead", "snake-store-write")):
+                                   "snake-store-ahead", "snake-store-host",
+                                   "snake-store-write")):
         if name.startswith(prefix):
             return rank, name
-    return 6, name
+    return 7, name
 
 
 _recording: Timeline | None = None

@@ -255,3 +255,85 @@ def test_a_read_issued_after_a_large_write_completes_before_it(tmp_path):
         written.set()
         big.wait()
         assert done == ["read", "write"]
+
+
+
+def test_a_write_into_memory_does_not_queue_behind_drive_writes(tmp_path):
+    """A gradient leaving the device for host memory (the backward sweep waits for the
+    previous one) has workers of its own: it never waits behind the updated optimizer
+    state on its way to the drive (the drive writers are all busy here)."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
+        released, write = threading.Event(), s._write_nvme
+
+        def held_write(e, *args, **kwargs):
+            released.wait(timeout=30)
+            return write(e, *args, **kwargs)
+
+        s._write_nvme = held_write
+        state = s.put("updated state", torch.randn(BUF // 4), tier="nvme")
+        gradient = torch.randn(BUF // 8)
+        s.put("gradient", gradient, tier="host").wait()   # before the drive write is let go
+        assert not state.done()
+        released.set()
+        state.wait()
+        assert torch.equal(s.get("gradient").wait(), gradient)
+
+# --- borrow: a value changed in place (the CPU optimizer's update) -----------------------
+def _host_addresses(s, key):
+    return [(buf.addr, buf.addr + buf.nbytes) for buf in s._entries[key].host]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_value_borrowed_from_host_is_changed_in_place_and_given_back_to_the_drive(
+        tmp_path, engine):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF,
+                     engine=engine) as s:
+        t = torch.randn(40000)                       # 160 KB: three host buffers
+        s.put("m", t, tier="nvme").wait()
+        s.prefetch("m", "host").wait()               # read ahead: host and drive copies
+        spans = _host_addresses(s, "m")
+        pieces = s.borrow("m").wait()
+        assert len(pieces) == 3 and sum(p.numel() for p in pieces) == t.numel()
+        for p in pieces:                             # the host tier's own bytes: no copy
+            assert any(a <= p.data_ptr() < b for a, b in spans)
+        for p in pieces:
+            p.mul_(2)
+        with pytest.raises(RuntimeError, match="lent"):
+            s.get("m")
+        with pytest.raises(RuntimeError, match="lent"):
+            s.put("m", t)
+        s.give_back("m", tier="nvme").wait()
+        assert s.tiers("m") == ["nvme"] and s.pool.resident == 0
+        assert torch.equal(s.get("m").wait(), t * 2)   # read back from the drive, verified
+        with pytest.raises(RuntimeError, match="not lent"):
+            s.give_back("m")
+
+
+def test_a_value_not_on_host_is_lent_as_a_copy_cut_like_a_host_record(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        t = torch.randn(40000)
+        s.put("m", t, tier="nvme").wait()
+        s.put("h", t, tier="host").wait()
+        on_drive, on_host = s.borrow("m").wait(), s.borrow("h").wait()
+        # the same cut, so two records of one size pair up element by element
+        assert [p.numel() for p in on_drive] == [p.numel() for p in on_host]
+        for p in on_drive:
+            p.add_(1)
+        for p in on_host:
+            p.sub_(1)
+        s.give_back("m", tier="host").wait()
+        s.give_back("h", tier="host").wait()         # kept in place
+        assert s.tiers("m") == ["host"] and s.tiers("h") == ["host"]
+        assert torch.equal(s.get("m").wait(), t + 1)
+        assert torch.equal(s.get("h").wait(), t - 1)
+        s.evict("h", "nvme").wait()                  # sealed again: the checksum is the new
+        assert torch.equal(s.get("h").wait(), t - 1)  # value's
+
+
+def test_deleting_a_borrowed_value_ends_the_loan(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        s.put("g", torch.randn(40000), tier="host").wait()
+        s.borrow("g").wait()
+        s.delete("g").wait()
+        assert "g" not in s and s.pool.resident == 0
+        s.synchronize()

@@ -190,6 +190,51 @@ def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
         opt.close()
 
 
+def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weights(
+        megatron_world, tmp_path):
+    """The optimizer worker goes from one unit's update to the next while the main thread
+    reads the unit's weights: unit u+1's update is queued before unit u's weights are read
+    (before, it was queued after, so the updates and the reads took turns)."""
+    torch.manual_seed(0)
+    model = build_model(tiny_args(), megatron_world)
+    units = GPTUnits(model, 1)
+    params = UnitParams.of(units)
+    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32)
+        events, start_update, get = [], opt.start_update, tstore.get
+
+        def spy_start(key, soon=False):
+            if opt.pending(key):
+                events.append(("update", key))
+            start_update(key, soon)
+
+        def spy_get(key, *args, **kwargs):
+            if key[0] == "w":
+                events.append(("read", key[1]))
+            return get(key, *args, **kwargs)
+
+        opt.start_update, tstore.get = spy_start, spy_get
+        for step in range(2):
+            events.clear()
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
+                                  weights)
+            vertical_forward_backward(model, make_microbatches(2, seed=step),
+                                      checkpoint_interval=1, store=store)
+            store.inputs.finish_step()
+            if step == 0:
+                opt.step()
+        # step 2's forward sweep applied step 1's updates (clipping: all deferred)
+        forward = [unit for unit in range(units.num_units - 1)]
+        assert len(forward) >= 2
+        for unit in forward:
+            read = events.index(("read", unit))
+            for lay in params.layouts_owned_by(unit + 1):
+                assert events.index(("update", lay.key)) < read, (unit, events)
+        opt.close()
+
+
 def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(megatron_world,
                                                                            tmp_path):
     torch.manual_seed(0)

@@ -120,16 +120,22 @@ class OffloadedUnits(UnitStore):
             handle.wait()
         return self.dp.all_gather(local, lay.numel)
 
-    def publish(self, key, part: str, master: torch.Tensor, soon: bool = False) -> None:
-        """The optimizer's callback (on its worker): new working weights for one part.
+    def publish(self, key, part: str, master: list, soon: bool = False) -> None:
+        """The optimizer's callback (on its worker): new working weights for one part, from
+        its fp32 master weights (consecutive 1-D pieces, read only during the call).
         ``soon``: the unit is read next (a deferred update runs one unit ahead), so a unit
         whose weights live on the drive keeps them in host memory when it has room; the
         read then evicts them to the drive (``acquire_unit``)."""
+        weights = torch.empty(sum(p.numel() for p in master), dtype=self.dtype)
+        start = 0
+        for piece in master:
+            weights[start:start + piece.numel()].copy_(piece)
+            start += piece.numel()
         if soon and key != SHARED and self.tier_of(key) == "nvme":
-            self.store.put(("w", key, part), master.to(self.dtype), tier="host",
+            self.store.put(("w", key, part), weights, tier="host",
                            kind="weights", spill="nvme", keep_free=self.host_keep_free)
         else:
-            self.store.put(("w", key, part), master.to(self.dtype), tier=self.tier_of(key),
+            self.store.put(("w", key, part), weights, tier=self.tier_of(key),
                            kind="weights")
         if key == SHARED:
             self._shared_stale = True
@@ -145,16 +151,19 @@ class OffloadedUnits(UnitStore):
     def acquire_unit(self, unit, *, next_unit, for_backward):
         owned = self.params.layouts_owned_by(unit)
         for lay in owned:
+            self.optimizer.start_update(lay.key, soon=True)
+        if next_unit is not None and not for_backward:
+            # Queued behind this unit's update, so the worker goes straight on to it while
+            # this unit's weights are read and it computes (its inputs are read while this
+            # update runs, before this unit's weights are asked for).
+            for owned_next in self.params.layouts_owned_by(next_unit):
+                self.optimizer.start_update(owned_next.key, soon=True)
+        for lay in owned:
             self.optimizer.finish_update(lay.key, soon=True)
         if self.params.shared_owner == unit and self._shared_stale:
             self._refresh_shared()
         lay = self.params.units[unit]
         flat = self._read_flat(lay)
-        if next_unit is not None and not for_backward:  # after this unit's reads: its own
-            # reads never queue behind the next update's
-            for owned_next in self.params.layouts_owned_by(next_unit):
-                self.optimizer.start_update(owned_next.key, soon=True)  # runs while this
-                # unit computes
         if self.tier_of(unit) == "nvme":  # drop a prefetch's host copies: the pool is bounded
             for part in PARTS:
                 if ("w", unit, part) in self.store:

@@ -62,6 +62,20 @@ class StepHyper:
     weight_decay: float
 
 
+def _cut(pieces: list[torch.Tensor], ranges: list[slice]) -> list[torch.Tensor]:
+    """The element ``ranges`` of the concatenation of ``pieces`` (1-D), as views."""
+    out, start = [], 0
+    bounds = []
+    for piece in pieces:
+        bounds.append((start, start + piece.numel(), piece))
+        start += piece.numel()
+    for r in ranges:
+        for a, b, piece in bounds:
+            if a < r.stop and r.start < b:
+                out.append(piece[max(r.start, a) - a:min(r.stop, b) - a])
+    return out
+
+
 class OffloadedAdamW(HostAdamW):
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
@@ -99,8 +113,9 @@ class OffloadedAdamW(HostAdamW):
         self._found_inf = None       # this step's overflow flag, on the gradients' device
         self._inv_scale = 1.0
         self._read_loss_scale()
-        # Called with (layout key, part, new working values, soon) after each part's update;
-        # soon: the weights are read next in this sweep (a deferred part), not a sweep later.
+        # Called with (layout key, part, new master weights as 1-D pieces, soon) after each
+        # part's update; soon: the weights are read next in this sweep (a deferred part),
+        # not a sweep later.
         self.on_weights = on_weights
         self.param_groups = megatron_param_groups(lr, weight_decay)
         self.iteration = 0           # completed steps
@@ -505,9 +520,10 @@ class OffloadedAdamW(HostAdamW):
             self._running[(key, part)] = fut
 
     def _read_update_inputs(self, key, part) -> dict:
-        """Start reading one part's state and gradient (handles)."""
-        return {name: self.store.get((name, key, part), device="cpu")
-                for name in STATES + ("grad",)}
+        """Start borrowing one part's state and gradient (handles): the update changes the
+        host tier's bytes in place, so state read ahead into host memory is neither copied
+        out nor copied again into staging on its way back to the drive."""
+        return {name: self.store.borrow((name, key, part)) for name in STATES + ("grad",)}
 
     def _next_job(self, job: dict) -> None:
         """On the worker, as ``job`` starts: read the inputs of the update queued after it,
@@ -537,29 +553,32 @@ class OffloadedAdamW(HostAdamW):
         t0 = time.perf_counter()
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
-        state = {name: h.wait() for name, h in reads.items()}
-        grad = state.pop("grad")
-        self.store.delete(("grad", key, part))
-        if clip_coef is not None:
-            grad.mul_(clip_coef)
-        by_decay: dict[bool, list[slice]] = {True: [], False: []}
-        for seg, piece in lay.pieces(lo, hi):
-            by_decay[seg.decay].append(slice(piece.start - lo, piece.stop - lo))
-        step = torch.tensor(float(hyper.step))
-        for decay, pieces in by_decay.items():
-            if not pieces:
-                continue
-            with timeline.span("fused adamw", "cpu adamw",
-                               params=sum(s.stop - s.start for s in pieces)):
-                fused_adamw_([state["master"][s] for s in pieces], [grad[s] for s in pieces],
-                             [state["exp_avg"][s] for s in pieces],
-                             [state["exp_avg_sq"][s] for s in pieces], step, lr=hyper.lr,
-                             beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                             weight_decay=hyper.weight_decay if decay else 0.0)
-        for name in STATES:
-            self.store.put((name, key, part), state[name], tier=self.tier, kind="optim")
-        if self.on_weights is not None:
-            self.on_weights(key, part, state["master"], soon=soon)
+        try:
+            # each a list of 1-D pieces, cut at the same elements (same dtype and size)
+            lent = {name: h.wait() for name, h in reads.items()}
+            if clip_coef is not None:
+                for piece in lent["grad"]:
+                    piece.mul_(clip_coef)
+            by_decay: dict[bool, list[slice]] = {True: [], False: []}
+            for seg, piece in lay.pieces(lo, hi):
+                by_decay[seg.decay].append(slice(piece.start - lo, piece.stop - lo))
+            step = torch.tensor(float(hyper.step))
+            for decay, pieces in by_decay.items():
+                if not pieces:
+                    continue
+                with timeline.span("fused adamw", "cpu adamw",
+                                   params=sum(s.stop - s.start for s in pieces)):
+                    fused_adamw_(*(_cut(lent[name], pieces)
+                                   for name in ("master", "grad", "exp_avg", "exp_avg_sq")),
+                                 step, lr=hyper.lr, beta1=self.beta1, beta2=self.beta2,
+                                 eps=self.eps,
+                                 weight_decay=hyper.weight_decay if decay else 0.0)
+            if self.on_weights is not None:   # before the master's buffers are given back
+                self.on_weights(key, part, lent["master"], soon=soon)
+        finally:   # a failed update still ends its loans (the error is the future's)
+            self.store.delete(("grad", key, part))
+            for name in STATES:
+                self.store.give_back((name, key, part), tier=self.tier)
         self.update_s += time.perf_counter() - t0
 
     def close(self) -> None:

@@ -53,6 +53,15 @@ class Traffic:
         rws = [t[tier] for t in self.by_kind.values() if tier in t]
         return sum(r for r, _ in rws), sum(w for _, w in rws)
 
+    def host_copied(self) -> int:
+        """Host-tier bytes that are copied: the CPU update borrows its state and gradient
+        in place (TensorStore.borrow), so their host reads and its state's host writes
+        are counted as traffic but move nothing."""
+        read, written = self.tier("host")
+        optim = self.by_kind.get("optim", {}).get("host", [0, 0])
+        grad = self.by_kind.get("grad", {}).get("host", [0, 0])
+        return read + written - sum(optim) - grad[0]
+
 
 @dataclass
 class StageCost:
@@ -261,7 +270,6 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
         per = 2 * (w.tp - 1) / w.tp * act / _bus(w, hw, w.tp)
         tp_s = 2 * passes * sum(st.unit_layers[:units]) * per * w.micro_batches
     drive_read, drive_written = t.tier("nvme")
-    host_read, host_written = t.tier("host")
     # the output layer runs with the last unit: in the backward sweep only on the last stage
     head = passes * st.head_flops if sweep == "backward" and stage == w.pp - 1 else 0.0
     out = {
@@ -270,7 +278,7 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
         + passes * layer_passes * w.micro_batches * hw.unit_overhead_s
         + units * w.groups * hw.unit_visit_s,
         "copy": t.copy / hw.pcie_Bps,
-        "host": (host_read + host_written) / hw.host_copy_Bps,
+        "host": t.host_copied() / hw.host_copy_Bps,
         "drive": drive_read / drive_r + drive_written / drive_w,
         "cpu_adam": t.adam_params / hw.cpu_adam_params_per_s,
         "dp_comm": t.dp_bytes / _bus(w, hw, w.tp * w.dp) if w.dp > 1 else 0.0,
@@ -299,7 +307,7 @@ def _read_ahead(w: Workload, hw: Hardware, sweeps: dict, traffic: dict) -> None:
     traffic["forward"].add("optim", "host", read=moved)
     for sweep, sign in (("forward", -1), ("backward", 1)):
         sweeps[sweep]["drive"] += sign * moved / drive_r
-        sweeps[sweep]["host"] += moved / hw.host_copy_Bps
+    # read into host buffers straight from the drive, and borrowed there in place
 
 
 def _slow_compute_by_io(sweep: dict, share: float) -> None:

@@ -19,6 +19,10 @@ Semantics.
   (forwarding: no wait for the drive).
 - get returns a contiguous tensor of the stored shape (on `device`, default the device the
   tensor was put from; `dtype` converts), or fills `out` (any stride) and returns it.
+- borrow lends a value to be changed in place (the CPU optimizer's update): the bytes on
+  the host tier themselves, no copy, or a copy when it has none there; give_back stores
+  the changed value (from the host buffers it was lent from: no staging copy). While lent,
+  any operation on the key but give_back and delete raises.
 - Every nvme record is checksummed; a mismatch raises IntegrityError naming key and file.
 - GPU<->host copies run on their own CUDA streams; the caller's stream is respected with
   events (put waits for the work queued before it; get's result is complete when wait()
@@ -183,6 +187,8 @@ class _Entry:
     ready: object = None         # CUDA event: the source's producer finished (put)
     gds: bool = False            # the nvme copy is one GPUDirect record (gds.py)
     last: object = None          # future of the last operation on this key
+    lent: bool = False           # borrow()ed: the caller may be changing it
+    lent_copy: object = None     # what was lent when it was not lent in place
 
 
 def _as_bytes(t):
@@ -304,6 +310,11 @@ class TensorStore:
                                            thread_name_prefix="snake-store-read")
         self._writers = ThreadPoolExecutor(max_workers=workers,
                                            thread_name_prefix="snake-store-write")
+        # Writes into memory (host or device tier: a gradient or a unit input leaving the
+        # device, which waits for them) have workers of their own too: they never queue
+        # behind hundreds of MB of drive writes (the forward sweep's updated state).
+        self._memory_writers = ThreadPoolExecutor(max_workers=2,
+                                                  thread_name_prefix="snake-store-host")
         # Read-ahead that may be skipped (``prefetch(if_room=True)``: state a later sweep
         # needs) has two workers of its own: a read needed now never queues behind it.
         self._background = ThreadPoolExecutor(max_workers=2,
@@ -350,13 +361,16 @@ class TensorStore:
         with self._lock:
             self._seq += 1
             old = self._entries.get(key)
+            if old is not None and old.lent:
+                self._entry(key)   # raises: a put must not replace bytes being changed
             e = _Entry(key, kind, tensor.dtype, tuple(tensor.shape),
                        tensor.numel() * tensor.element_size(), tensor.device, key_hash(key), self._seq)
             e.source, e.ready = tensor, ready
             prev = old.last if old is not None else None
             self._entries[key] = e
             room = None if spill is None else self._room(keep_free)
-            fut = self._writers.submit(self._run_put, e, old, prev, tensor, tier, ready, room)
+            fut = self._writers_for(tier).submit(self._run_put, e, old, prev, tensor, tier,
+                                                 ready, room)
             e.last = fut
         fut.add_done_callback(lambda _: self._release_queue(nbytes))
         return Handle(fut, self)
@@ -434,6 +448,34 @@ class TensorStore:
         return self._chain(self._background if background else self._readers, key,
                            self._run_prefetch, tier, room)
 
+    def borrow(self, key):
+        """Lend ``key``'s value to the caller to change in place. wait() returns it as 1-D
+        views, one per host buffer of its record (``_segments``): of the host tier's own
+        bytes when it is there (no copy), else of a new tensor read from its tier. Two
+        records of the same dtype and size are cut at the same elements. End the loan
+        with ``give_back`` or ``delete``; until then any other operation on the key
+        raises, so nothing reads or moves the bytes while they change."""
+        with self._lock:
+            e = self._entry(key)
+            fut = self._readers.submit(self._run_borrow, e, e.last)
+            e.last, e.lent = fut, True
+        return Handle(fut, self)
+
+    def give_back(self, key, tier="nvme"):
+        """End ``borrow(key)``'s loan: the lent value, as changed, replaces the stored one
+        on ``tier``, as a put of it would. Lent from the host tier, it is written from
+        those buffers (to the drive with no staging copy; kept in place for ``host``)."""
+        self._check_tier(tier)
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or not e.lent:
+                raise RuntimeError(f"give_back({key!r}): the key is not lent (borrow it first)")
+            self._seq += 1
+            e.seq, e.lent = self._seq, False  # a new value: its records carry a new sequence
+            fut = self._writers_for(tier).submit(self._run_give_back, e, e.last, tier)
+            e.last = fut
+        return Handle(fut, self)
+
     def _room(self, keep_free):
         """The free host buffers a copy made only if there is room must leave."""
         return max(1, self.spill_keep_free if keep_free is None else keep_free)
@@ -450,6 +492,7 @@ class TensorStore:
             e = self._entries.pop(key, None)
             if e is None:
                 return Handle(_Done(), self)
+            e.lent = False             # a loan ends with the value deleted
             fut = self._writers.submit(self._run_delete, e, e.last)
             e.last = fut
             # the entry is gone from _entries: synchronize() finds its delete here
@@ -519,7 +562,7 @@ class TensorStore:
             return
         self._closed = True
         self.synchronize()
-        for pool in (self._readers, self._writers, self._background):
+        for pool in (self._readers, self._writers, self._memory_writers, self._background):
             pool.shutdown(wait=True)
         self.engine.close()
         if self.gds is not None:
@@ -537,6 +580,11 @@ class TensorStore:
 
     # ================================================================ helpers
 
+    def _writers_for(self, tier):
+        """The workers of a write to ``tier``: memory, or the drive (a write to host that
+        spills for want of room goes to the drive from the memory writers)."""
+        return self._writers if tier == "nvme" else self._memory_writers
+
     def _check_tier(self, tier):
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; one of {TIERS}")
@@ -545,6 +593,9 @@ class TensorStore:
         e = self._entries.get(key)
         if e is None:
             raise KeyError(f"tensor store (rank dir {self.dir.path}) has no key {key!r}")
+        if e.lent:
+            raise RuntimeError(f"tensor store key {key!r} is lent (borrow); give it back or "
+                               "delete it first")
         return e
 
     def _chain(self, pool, key, fn, *args):
@@ -1019,6 +1070,50 @@ class TensorStore:
             if tier == "nvme" and e.host is not None:
                 self.pool.release(e.host, resident=True)
                 e.host = None
+
+    def _run_borrow(self, e, prev):
+        with timeline.span(f"borrow {e.kind}", "store", bytes=e.nbytes):
+            self._wait_prev(prev)
+            size = torch.tensor([], dtype=e.dtype).element_size()
+            segs = self._segments(e.nbytes)
+            if e.host is not None and e.nbytes and self.seg_payload % size == 0:
+                self.counters.add("host", nread=e.nbytes, kind=e.kind)
+                return [self._payload(buf, b - a).view(e.dtype)
+                        for buf, (_, a, b) in zip(e.host, segs)]
+            flat = torch.empty(e.nbytes // size, dtype=e.dtype)
+            self._read_into(e, flat.view(e.shape))
+            e.lent_copy = flat
+            return [flat[a // size:b // size] for _, a, b in segs]
+
+    def _run_give_back(self, e, prev, tier):
+        with timeline.span(f"give back {e.kind}", "store", tier=tier, bytes=e.nbytes):
+            self._give_back(e, prev, tier)
+
+    def _give_back(self, e, prev, tier):
+        self._wait_prev(prev)
+        e.gpu = None                     # copies of the value before the change
+        if e.nvme is not None:
+            f = self._files[e.kind]
+            for off, length in e.nvme:
+                f.free(off, length)
+            e.nvme, e.gds = None, False
+        copy, e.lent_copy = e.lent_copy, None
+        if copy is None and tier in ("host", "nvme") and e.nbytes:
+            e.host_sealed = False        # changed in place: sealed again when written
+            if tier == "host":
+                self.counters.add("host", nwritten=e.nbytes, kind=e.kind)
+            else:
+                self._write_nvme(e)
+                self.pool.release(e.host, resident=True)
+                e.host = None
+            return
+        if copy is None:                 # lent in place, stored on the device (or empty)
+            copy = torch.empty(e.nbytes, dtype=torch.uint8)
+            if e.nbytes:
+                _copy(None, [(copy[a:b], self._payload(buf, b - a))
+                             for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))])
+        self._free_entry(e)
+        self._put(e, None, None, copy.view(e.dtype).view(e.shape), tier, None, None)
 
     def _run_delete(self, e, prev):
         try:
