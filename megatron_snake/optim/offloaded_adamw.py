@@ -11,13 +11,19 @@ boundary, so both parts run in the next forward sweep. Either way every unit is 
 before its next read (no staleness) and each state byte is read and written once per step.
 
 The arithmetic is torch's fused AdamW kernel (the one ``torch.optim.AdamW(fused=True)``
-runs) on views of the flat buffers: elementwise, so cutting a buffer into parts or
-parameters into segments changes no bit. Weight decay follows Megatron (none on biases and
-1-D parameters); ``param_groups`` lets Megatron's OptimizerParamScheduler set lr and wd.
+runs) on views of the state's host buffers, borrowed from the store (no copy): one view per
+parameter and buffer. The kernel is elementwise, but it rounds a tensor's last (numel mod
+its vector lanes) elements on a scalar path, so where a buffer's edge cuts a parameter off
+its 16-element lines, those elements are gathered into a small tensor of their own (a
+bridge) and every bit equals the per-parameter reference. (The alpha split cuts a parameter
+too, where the reference has no cut: docs/design.md, invariant 1.) Weight decay follows Megatron
+(none on biases and 1-D parameters); ``param_groups`` lets Megatron's
+OptimizerParamScheduler set lr and wd.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,18 +68,60 @@ class StepHyper:
     weight_decay: float
 
 
-def _cut(pieces: list[torch.Tensor], ranges: list[slice]) -> list[torch.Tensor]:
-    """The element ``ranges`` of the concatenation of ``pieces`` (1-D), as views."""
-    out, start = [], 0
-    bounds = []
-    for piece in pieces:
-        bounds.append((start, start + piece.numel(), piece))
-        start += piece.numel()
-    for r in ranges:
-        for a, b, piece in bounds:
-            if a < r.stop and r.start < b:
-                out.append(piece[max(r.start, a) - a:min(r.stop, b) - a])
+# torch's CPU fused AdamW runs a tensor in vector lanes from its first element, and its last
+# (numel mod the lane count) elements on a scalar path whose rounding can differ by an ulp.
+# The reference (one tensor per parameter) has lanes wherever a parameter is not at its
+# end, so a host buffer's edge that cuts a parameter off its 16-element lines is bridged.
+LANE_ELEMENTS = 16
+
+
+def _intervals(sizes: list[int], ranges: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The element ``ranges`` (start, stop, start of their parameter) of a concatenation of
+    pieces of ``sizes``, cut where the pieces are; a cut off the parameter's 16-element
+    lines becomes one interval from the line before it to the line after (a bridge)."""
+    cuts = list(itertools.accumulate(sizes))[:-1]
+    out = []
+    for start, stop, origin in ranges:
+        pos = start
+        for cut in cuts:
+            if not pos < cut < stop:
+                continue
+            off = (cut - origin) % LANE_ELEMENTS
+            down, up = max(pos, cut - off), min(stop, cut - off + LANE_ELEMENTS)
+            if off == 0:
+                down = up = cut
+            if pos < down:
+                out.append((pos, down))
+            if down < up:
+                out.append((down, up))
+            pos = max(pos, up)
+        if pos < stop:
+            out.append((pos, stop))
     return out
+
+
+def _take(pieces: list[torch.Tensor], intervals: list[tuple[int, int]]):
+    """(tensors, bridges): each interval of the concatenation of ``pieces`` as a view of
+    one piece, or, across pieces, gathered into a new tensor; ``bridges`` lists those as
+    (tensor, [(piece view, its slice of the tensor)]) for ``_return_bridges``."""
+    starts = list(itertools.accumulate([0] + [p.numel() for p in pieces]))
+    tensors, bridges = [], []
+    for a, b in intervals:
+        parts = [(p[max(a, s) - s:min(b, e) - s], slice(max(a, s) - a, min(b, e) - a))
+                 for p, s, e in zip(pieces, starts, starts[1:]) if s < b and a < e]
+        if len(parts) == 1:
+            tensors.append(parts[0][0])
+        else:
+            bridge = torch.cat([view for view, _ in parts])
+            tensors.append(bridge)
+            bridges.append((bridge, parts))
+    return tensors, bridges
+
+
+def _return_bridges(bridges) -> None:
+    for bridge, parts in bridges:
+        for view, piece in parts:
+            view.copy_(bridge[piece])
 
 
 class OffloadedAdamW(HostAdamW):
@@ -543,42 +591,61 @@ class OffloadedAdamW(HostAdamW):
         return loss * self.get_loss_scale()
 
     def _update(self, job: dict, hyper: StepHyper, clip_coef, soon: bool) -> None:
-        self._next_job(job)
         key, part = job["key"], job["part"]
-        with timeline.span(f"update {key} {part}", "optimizer"):
-            self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
+        updated = False
+        try:
+            self._next_job(job)
+            with timeline.span(f"update {key} {part}", "optimizer"):
+                self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
+            updated = True
+        finally:
+            if job["reads"] is not None:
+                self._end_loans(key, part, updated)
+
+    def _end_loans(self, key, part: str, updated: bool) -> None:
+        """The new state goes back to its tier and the gradient is deleted. After a
+        failure the state is deleted too: its bytes may be half updated in place, and a
+        later read must fail (KeyError) rather than return them; the update's error is
+        raised by its future."""
+        if ("grad", key, part) in self.store:
+            self.store.delete(("grad", key, part))
+        for name in STATES:
+            if updated:
+                self.store.give_back((name, key, part), tier=self.tier)
+            else:
+                self.store.delete((name, key, part))
 
     def _update_part(self, key, part: str, hyper: StepHyper, clip_coef, soon: bool,
                      reads: dict) -> None:
         t0 = time.perf_counter()
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
-        try:
-            # each a list of 1-D pieces, cut at the same elements (same dtype and size)
-            lent = {name: h.wait() for name, h in reads.items()}
-            if clip_coef is not None:
-                for piece in lent["grad"]:
-                    piece.mul_(clip_coef)
-            by_decay: dict[bool, list[slice]] = {True: [], False: []}
-            for seg, piece in lay.pieces(lo, hi):
-                by_decay[seg.decay].append(slice(piece.start - lo, piece.stop - lo))
-            step = torch.tensor(float(hyper.step))
-            for decay, pieces in by_decay.items():
-                if not pieces:
-                    continue
-                with timeline.span("fused adamw", "cpu adamw",
-                                   params=sum(s.stop - s.start for s in pieces)):
-                    fused_adamw_(*(_cut(lent[name], pieces)
-                                   for name in ("master", "grad", "exp_avg", "exp_avg_sq")),
-                                 step, lr=hyper.lr, beta1=self.beta1, beta2=self.beta2,
-                                 eps=self.eps,
-                                 weight_decay=hyper.weight_decay if decay else 0.0)
-            if self.on_weights is not None:   # before the master's buffers are given back
-                self.on_weights(key, part, lent["master"], soon=soon)
-        finally:   # a failed update still ends its loans (the error is the future's)
-            self.store.delete(("grad", key, part))
+        # each a list of 1-D pieces, cut at the same elements (same dtype and size)
+        lent = {name: h.wait() for name, h in reads.items()}
+        if clip_coef is not None:
+            for piece in lent["grad"]:
+                piece.mul_(clip_coef)
+        ranges: dict[bool, list] = {True: [], False: []}   # by weight decay
+        for seg, piece in lay.pieces(lo, hi):
+            ranges[seg.decay].append((piece.start - lo, piece.stop - lo, seg.offset - lo))
+        sizes = [p.numel() for p in lent["master"]]
+        step = torch.tensor(float(hyper.step))
+        for decay, rs in ranges.items():
+            if not rs:
+                continue
+            intervals = _intervals(sizes, rs)
+            taken = {name: _take(lent[name], intervals) for name in STATES + ("grad",)}
+            with timeline.span("fused adamw", "cpu adamw",
+                               params=sum(b - a for a, b in intervals)):
+                fused_adamw_(taken["master"][0], taken["grad"][0], taken["exp_avg"][0],
+                             taken["exp_avg_sq"][0], step, lr=hyper.lr,
+                             beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                             weight_decay=hyper.weight_decay if decay else 0.0)
             for name in STATES:
-                self.store.give_back((name, key, part), tier=self.tier)
+                _return_bridges(taken[name][1])
+        self.store.delete(("grad", key, part))   # its host buffers are free now
+        if self.on_weights is not None:   # before the master's buffers are given back
+            self.on_weights(key, part, lent["master"], soon=soon)
         self.update_s += time.perf_counter() - t0
 
     def close(self) -> None:

@@ -357,12 +357,18 @@ class TensorStore:
         tensor = tensor.detach()           # the store keeps bytes, never autograd history
         nbytes = tensor.numel() * tensor.element_size()
         self._reserve_queue(nbytes)
+        try:
+            with self._lock:
+                old = self._entries.get(key)
+                if old is not None and old.lent:
+                    self._entry(key)   # raises: a put must not replace bytes being changed
+        except BaseException:
+            self._release_queue(nbytes)
+            raise
         ready = self._record_ready(tensor)
         with self._lock:
             self._seq += 1
             old = self._entries.get(key)
-            if old is not None and old.lent:
-                self._entry(key)   # raises: a put must not replace bytes being changed
             e = _Entry(key, kind, tensor.dtype, tuple(tensor.shape),
                        tensor.numel() * tensor.element_size(), tensor.device, key_hash(key), self._seq)
             e.source, e.ready = tensor, ready
@@ -470,10 +476,14 @@ class TensorStore:
             e = self._entries.get(key)
             if e is None or not e.lent:
                 raise RuntimeError(f"give_back({key!r}): the key is not lent (borrow it first)")
-            self._seq += 1
-            e.seq, e.lent = self._seq, False  # a new value: its records carry a new sequence
-            fut = self._writers_for(tier).submit(self._run_give_back, e, e.last, tier)
+        self._reserve_queue(e.nbytes)    # bounded as the put of the new value would be
+        with self._lock:
+            self._seq += 1   # a new value: its records carry a new sequence number
+            e.lent = False
+            fut = self._writers_for(tier).submit(self._run_give_back, e, e.last, tier,
+                                                 self._seq)
             e.last = fut
+        fut.add_done_callback(lambda _: self._release_queue(e.nbytes))
         return Handle(fut, self)
 
     def _room(self, keep_free):
@@ -1085,12 +1095,13 @@ class TensorStore:
             e.lent_copy = flat
             return [flat[a // size:b // size] for _, a, b in segs]
 
-    def _run_give_back(self, e, prev, tier):
+    def _run_give_back(self, e, prev, tier, seq):
         with timeline.span(f"give back {e.kind}", "store", tier=tier, bytes=e.nbytes):
-            self._give_back(e, prev, tier)
+            self._give_back(e, prev, tier, seq)
 
-    def _give_back(self, e, prev, tier):
-        self._wait_prev(prev)
+    def _give_back(self, e, prev, tier, seq):
+        self._wait_prev(prev)   # the borrow: if it failed, the stored value stays as it was
+        e.seq = seq
         e.gpu = None                     # copies of the value before the change
         if e.nvme is not None:
             f = self._files[e.kind]
