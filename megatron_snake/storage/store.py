@@ -357,18 +357,13 @@ class TensorStore:
         tensor = tensor.detach()           # the store keeps bytes, never autograd history
         nbytes = tensor.numel() * tensor.element_size()
         self._reserve_queue(nbytes)
-        try:
-            with self._lock:
-                old = self._entries.get(key)
-                if old is not None and old.lent:
-                    self._entry(key)   # raises: a put must not replace bytes being changed
-        except BaseException:
-            self._release_queue(nbytes)
-            raise
         ready = self._record_ready(tensor)
         with self._lock:
-            self._seq += 1
             old = self._entries.get(key)
+            if old is not None and old.lent:   # a put must not replace bytes being changed
+                self._release_queue(nbytes)
+                self._entry(key)               # raises, naming the key
+            self._seq += 1
             e = _Entry(key, kind, tensor.dtype, tuple(tensor.shape),
                        tensor.numel() * tensor.element_size(), tensor.device, key_hash(key), self._seq)
             e.source, e.ready = tensor, ready
@@ -959,12 +954,16 @@ class TensorStore:
         if e.host is not None:
             self.pool.release(e.host, resident=True)
             e.host = None
+        self._drop_nvme(e)
+        e.gpu = None
+
+    def _drop_nvme(self, e):
+        """Free e's swap-file extents (the drive's copy)."""
         if e.nvme is not None:
             f = self._files[e.kind]
             for off, length in e.nvme:
                 f.free(off, length)
-            e.nvme = None
-        e.gpu = None
+            e.nvme, e.gds = None, False
 
     def _run_put(self, e, old, prev, tensor, tier, ready, room=None):
         with timeline.span(f"put {e.kind}", "store", tier=tier, bytes=e.nbytes):
@@ -1103,11 +1102,7 @@ class TensorStore:
         self._wait_prev(prev)   # the borrow: if it failed, the stored value stays as it was
         e.seq = seq
         e.gpu = None                     # copies of the value before the change
-        if e.nvme is not None:
-            f = self._files[e.kind]
-            for off, length in e.nvme:
-                f.free(off, length)
-            e.nvme, e.gds = None, False
+        self._drop_nvme(e)
         copy, e.lent_copy = e.lent_copy, None
         if copy is None and tier in ("host", "nvme") and e.nbytes:
             e.host_sealed = False        # changed in place: sealed again when written
