@@ -8,6 +8,7 @@ Megatron's no-decay rule, and Megatron's OptimizerParamScheduler.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -290,13 +291,48 @@ def test_snake_groups_keep_one_unit_gradient_on_the_device(megatron_world, tmp_p
         assert rel <= 1e-6, f"{name}: relative weight difference {rel:.2e}"
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_an_update_cut_at_host_buffers_equals_torch_adamw_per_parameter(tmp_path, tier):
+def test_the_alpha_split_falls_on_a_line_of_the_parameter_it_cuts():
+    """For every alpha and data-parallel shard, the two parts tile the rank's shard, and
+    the split is the shard's edge, a parameter's edge, or a 16-element line of the
+    parameter it cuts, within 8 elements of (1 - alpha) of the shard where such a line
+    lies inside it."""
+    from megatron_snake.optim.dp_shards import DataParallel
+    from megatron_snake.optim.offloaded_adamw import LANE_ELEMENTS, part_bounds
+    from megatron_snake.optim.unit_params import FlatLayout, Segment
+
+    sizes = [3367, 1001, 7, 7777, 899, 5, 40]
+    offsets = list(itertools.accumulate([0] + sizes))
+    lay = FlatLayout(0, [Segment(f"p{i}", None, o, n, True, (n,), i)
+                         for i, (o, n) in enumerate(zip(offsets, sizes))])
+    moved = 0
+    for size, alpha in itertools.product((1, 2, 3, 5), (0.0, 0.1, 0.25, 0.37, 0.5)):
+        for rank in range(size):
+            dp = DataParallel(rank, size)
+            start, end, _ = dp.shard(lay.numel)
+            (lo, split), (split2, hi) = part_bounds(lay, alpha, dp)
+            assert (lo, split2, hi) == (start, split, end) and start <= split <= end
+            raw = start + int(round((1.0 - alpha) * (end - start)))
+            moved += split != raw
+            if split in (start, end) or split in offsets:
+                continue
+            seg = next(s for s in lay.segments if s.offset < split < s.offset + s.numel)
+            assert (split - seg.offset) % LANE_ELEMENTS == 0, (size, rank, alpha, split)
+            assert abs(split - raw) <= LANE_ELEMENTS // 2, (size, rank, alpha, split, raw)
+    assert moved > 0      # the case is not trivially on lines
+
+
+@pytest.mark.parametrize("tier,alpha,buf", [
+    ("host", 0.0, 16 << 10), ("nvme", 0.0, 16 << 10),   # 4080 fp32 elements a buffer
+    ("host", 0.37, 16 << 10), ("host", 0.37, 1 << 20), ("nvme", 0.37, 1 << 20)])
+def test_an_update_cut_at_host_buffers_equals_torch_adamw_per_parameter(tmp_path, tier, alpha,
+                                                                         buf):
     """The update runs on the host buffers' own bytes (borrowed), so a parameter can be cut
-    where one buffer ends. torch's fused kernel rounds a tensor's last (numel mod lanes)
-    elements on a scalar path, so a cut off the parameter's 16-element lines would change
-    bits; such a cut is bridged. Small buffers and odd sizes put many cuts inside
-    parameters: after three steps the state equals torch.optim.AdamW's, bit for bit."""
+    where one buffer ends, and the alpha split cuts one too. torch's fused kernel rounds a
+    tensor's last (numel mod lanes) elements on a scalar path, so a cut off the parameter's
+    16-element lines would change bits: a buffer's edge there is bridged, and the split is
+    moved to a line (alpha 0.37 puts it 10 elements off one; with 1 MiB buffers no bridge
+    hides that). Small buffers and odd sizes put many cuts inside parameters: after three
+    steps the state equals torch.optim.AdamW's, bit for bit."""
     from megatron_snake.optim.unit_params import SHARED, FlatLayout, Segment
 
     torch.manual_seed(0)
@@ -313,20 +349,21 @@ def test_an_update_cut_at_host_buffers_equals_torch_adamw_per_parameter(tmp_path
         [{"params": [r for r in ref if r.dim() > 1], "weight_decay": WD},
          {"params": [r for r in ref if r.dim() == 1], "weight_decay": 0.0}],
         lr=LR, fused=True)
-    buf = 16 << 10    # 4080 fp32 elements a buffer: 4080 % 16 == 0, the params' starts odd
     with TensorStore(tmp_path, host_memory_limit=64 * buf, buffer_bytes=buf) as store:
-        opt = OffloadedAdamW(units, store, lr=LR, weight_decay=WD, tier=tier)
+        opt = OffloadedAdamW(units, store, lr=LR, weight_decay=WD, tier=tier, alpha=alpha)
         for _ in range(3):
             grads = [torch.randn(s) for s in shapes]
             for r, g in zip(ref, grads):
                 r.grad = g.clone()
             ref_opt.step()
             if tier == "nvme":   # read ahead into host memory: borrowed in place
-                for name in ("master", "exp_avg", "exp_avg_sq"):
-                    store.prefetch((name, 0, "bwd"), tier="host").wait()
+                for name, part in itertools.product(("master", "exp_avg", "exp_avg_sq"),
+                                                    ("bwd", "fwd") if alpha else ("bwd",)):
+                    store.prefetch((name, 0, part), tier="host").wait()
             opt.gradient_ready(0, torch.cat([g.reshape(-1) for g in grads]))
             opt.step()
             opt.wait_running()
+            opt.flush()        # the deferred (forward) part
         state = opt.layout_state(0)
         opt.close()
     expected = {"master": torch.cat([r.detach().reshape(-1) for r in ref]),

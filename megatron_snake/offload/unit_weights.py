@@ -104,7 +104,7 @@ class OffloadedUnits(UnitStore):
 
     def record_parts(self, lay):
         """(part, (lo, hi)) of this rank's records of a layout, skipping empty parts."""
-        bounds = part_bounds(lay.numel, self.alpha, self.dp)
+        bounds = part_bounds(lay, self.alpha, self.dp)
         return [(part, (lo, hi)) for part, (lo, hi) in zip(PARTS, bounds) if hi > lo]
 
     def _read_flat(self, lay) -> torch.Tensor:

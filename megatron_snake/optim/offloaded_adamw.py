@@ -15,8 +15,8 @@ runs) on views of the state's host buffers, borrowed from the store (no copy): o
 parameter and buffer. The kernel is elementwise, but it rounds a tensor's last (numel mod
 its vector lanes) elements on a scalar path, so where a buffer's edge cuts a parameter off
 its 16-element lines, those elements are gathered into a small tensor of their own (a
-bridge) and every bit equals the per-parameter reference. (The alpha split cuts a parameter
-too, where the reference has no cut: docs/design.md, invariant 1.) Weight decay follows Megatron
+bridge), and the alpha split is moved onto a line, so every bit equals the per-parameter
+reference (docs/design.md, invariant 1). Weight decay follows Megatron
 (none on biases and 1-D parameters); ``param_groups`` lets Megatron's
 OptimizerParamScheduler set lr and wd.
 """
@@ -43,11 +43,26 @@ from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
 
+# torch's CPU fused AdamW runs a tensor in vector lanes from its first element, and its last
+# (numel mod the lane count) elements on a scalar path whose rounding can differ by an ulp.
+# The reference (one tensor per parameter) has lanes wherever a parameter is not at its
+# end, so a cut that takes a parameter off its 16-element lines is avoided (the alpha
+# split) or bridged (a host buffer's edge).
+LANE_ELEMENTS = 16
 
-def part_bounds(numel: int, alpha: float, dp: DataParallel = DataParallel()):
-    """Element ranges (of the whole flat) of this rank's backward part and forward part."""
-    start, end, _ = dp.shard(numel)
+
+def part_bounds(lay: FlatLayout, alpha: float, dp: DataParallel = DataParallel()):
+    """Element ranges (of the whole flat) of this rank's backward part and forward part.
+    The split is moved to the nearest 16-element line of the parameter it falls in, so
+    that it cuts no parameter where the per-parameter reference's lanes would not."""
+    start, end, _ = dp.shard(lay.numel)
     split = start + int(round((1.0 - alpha) * (end - start)))
+    seg = next((s for s in lay.segments if s.offset < split < s.offset + s.numel), None)
+    off = (split - seg.offset) % LANE_ELEMENTS if seg and start < split < end else 0
+    if off:
+        lines = (split - off, min(split - off + LANE_ELEMENTS, seg.offset + seg.numel))
+        split = min((c for c in lines + (start, end) if start <= c <= end),
+                    key=lambda c: abs(c - split))
     return (start, split), (split, end)
 
 
@@ -66,13 +81,6 @@ class StepHyper:
     step: int
     lr: float
     weight_decay: float
-
-
-# torch's CPU fused AdamW runs a tensor in vector lanes from its first element, and its last
-# (numel mod the lane count) elements on a scalar path whose rounding can differ by an ulp.
-# The reference (one tensor per parameter) has lanes wherever a parameter is not at its
-# end, so a host buffer's edge that cuts a parameter off its 16-element lines is bridged.
-LANE_ELEMENTS = 16
 
 
 def _intervals(sizes: list[int], ranges: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -205,7 +213,7 @@ class OffloadedAdamW(HostAdamW):
 
     # --- layout ----------------------------------------------------------------------
     def _bounds(self, lay: FlatLayout):
-        return part_bounds(lay.numel, self.alpha, self.dp)
+        return part_bounds(lay, self.alpha, self.dp)
 
     def state_bytes(self) -> int:
         """Bytes of master weights and moments this rank holds."""

@@ -272,7 +272,7 @@ def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list
     weights = optimizer = largest = 0
     for unit, lay in enumerate(params.units):
         unit_weights = 0
-        for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp):
+        for lo, hi in part_bounds(lay, args.snake_alpha, dp):
             if hi > lo:
                 unit_weights += buffers_for((hi - lo) * elem)
                 optimizer += 4 * buffers_for((hi - lo) * 4)
@@ -280,7 +280,7 @@ def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list
         largest = max(largest, unit_weights)
     if params.shared.segments:
         optimizer += sum(4 * buffers_for((hi - lo) * 4)
-                         for lo, hi in part_bounds(params.shared.numel, args.snake_alpha, dp)
+                         for lo, hi in part_bounds(params.shared, args.snake_alpha, dp)
                          if hi > lo)
     inputs = checkpoints_per_step(args) * buffers_for(checkpoint_bytes(args))
     return HostBuffers(weights, optimizer, inputs, largest)

@@ -141,15 +141,22 @@ def gpt_parameter_total(args, vocab_size: int) -> int:
 # --- shape-only stand-ins for UnitParams ---------------------------------------------
 
 @dataclass(frozen=True)
+class _Span:
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
 class _Layout:
     """What offloaded_state's planning functions read of a ``FlatLayout``: its size, and
-    whether it has segments."""
+    its segments (one spanning the unit: the flags do not give each parameter's offset,
+    so the alpha split is placed within 16 elements of the run's)."""
 
     numel: int
 
     @property
     def segments(self) -> tuple:
-        return (self.numel,) if self.numel else ()
+        return (_Span(0, self.numel),) if self.numel else ()
 
 
 @dataclass(frozen=True)
@@ -344,11 +351,11 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     # built from it
     fp32 = fp32_at_build(args, pp_rank=pp_rank)
     pf_parts["nvme_initial"] = (counts.total - fp32) * elem + fp32 * 4
-    parts = [part_bounds(lay.numel, args.snake_alpha, dp) for lay in params.units]
+    parts = [part_bounds(lay, args.snake_alpha, dp) for lay in params.units]
     groups = args.num_microbatches // (1 if args.snake_schedule == "horizontal"
                                        else args.snake_group_size or args.num_microbatches)
     largest_part = max((hi - lo for lay in params.units + (params.shared,)
-                        for lo, hi in part_bounds(lay.numel, args.snake_alpha, dp)), default=0)
+                        for lo, hi in part_bounds(lay, args.snake_alpha, dp)), default=0)
     return Preflight(
         params_total=gpt_parameter_total(args, vocab_size), counts=counts,
         ranks=(tp_rank, args.tensor_model_parallel_size, pp_rank,
