@@ -448,6 +448,16 @@ def _embedding_group(gpt):
     return None
 
 
+def working_set_error(limit: int, need: int, unit) -> ValueError:
+    """``--snake-gpu-memory-limit`` below the largest unit's working set (the pre-flight
+    and the start check say it alike)."""
+    return ValueError(
+        f"--snake-gpu-memory-limit {mib(limit)} is below the working set of unit {unit} "
+        f"({mib(need)}: its weights and fp32 gradient, the tied weights, a snake group's "
+        f"unit inputs); the minimum is {need} bytes. Raise the limit or lower "
+        "--snake-checkpoint-interval or --snake-group-size.")
+
+
 def build_offloaded_state(args, gpt, store, device: torch.device, *,
                           initial: InitialWeights | None = None) -> OffloadedState:
     """Move ``gpt``'s weights and a fresh AdamW state into ``store`` (checking the device
@@ -460,12 +470,7 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     if args.snake_gpu_memory_limit is not None:
         need, unit = unit_working_set_bytes(args, params)
         if args.snake_gpu_memory_limit < need:
-            raise ValueError(
-                f"--snake-gpu-memory-limit {mib(args.snake_gpu_memory_limit)} is below "
-                f"the working set of unit {unit} ({mib(need)}: its weights and fp32 "
-                "gradient, the tied weights, a snake group's unit inputs); the minimum is "
-                f"{need} bytes. Raise the limit or lower --snake-checkpoint-interval or "
-                "--snake-group-size.")
+            raise working_set_error(args.snake_gpu_memory_limit, need, unit)
     dp = DataParallel.from_megatron()
     full_numel = sum(lay.numel for lay in params.all_layouts())
     numel = -(-full_numel // dp.size)  # this rank's share

@@ -33,7 +33,7 @@ from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, ch
                                                      offload_dir_for_rank,
                                                      resolve_state_tiers,
                                                      saves_to_offload_drive, units_to_pin,
-                                                     unit_working_set_bytes)
+                                                     unit_working_set_bytes, working_set_error)
 
 
 # --- parameter counts ------------------------------------------------------------------
@@ -383,12 +383,7 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
     pf, errors = preflight, []
     limit = args.snake_gpu_memory_limit
     if limit is not None and limit < pf.working_set:
-        errors.append(ValueError(
-            f"--snake-gpu-memory-limit {mib(limit)} is below the working set of unit "
-            f"{pf.working_set_unit} ({mib(pf.working_set)}: its weights and fp32 gradient, "
-            f"the tied weights, a snake group's unit inputs); the minimum is "
-            f"{pf.working_set} bytes. Raise the limit or lower --snake-checkpoint-interval "
-            "or --snake-group-size."))
+        errors.append(working_set_error(limit, pf.working_set, pf.working_set_unit))
     try:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
