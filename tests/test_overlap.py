@@ -374,6 +374,10 @@ def test_the_roofline_is_the_busiest_resource_per_phase_on_a_synthetic_step():
     assert out["phases"]["backward"]["roofline_s"] == pytest.approx(3.0)  # the device
     assert out["roofline_s"] == pytest.approx(7.0)
     assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 4, adamw 3 over the step
+    # the drive in flight 0.2-3.0 s (the two transfers overlap): 300 bytes in 2.8 s
+    assert out["phases"]["forward"]["drive_busy_s"] == pytest.approx(2.8)
+    assert out["phases"]["forward"]["drive_GBps_while_busy"] == pytest.approx(300 / 2.8 / 1e9)
+    assert out["phases"]["backward"]["drive_busy_s"] == 0.0
 
 
 # --- --snake-trace ----------------------------------------------------------------------

@@ -20,7 +20,10 @@ longest of what the phase asks of each resource:
 - host copies: host-tier bytes / this machine's copy bandwidth;
 - the CPU optimizer: parameters updated / the fused AdamW's measured rate.
 The step's roofline is the sum over its phases; **roofline ÷ measured** is the overlap
-efficiency (1.0: every phase runs at the speed of its busiest resource). The step-wide
+efficiency (1.0: every phase runs at the speed of its busiest resource). Each phase also
+reports how long at least one drive transfer was in flight and the rate it moved bytes
+meanwhile: a drive busy for the whole phase leaves nothing to overlap, whatever the probes
+say it could do. The step-wide
 bound (the busiest resource over the whole step) is also reported: it is below the
 roofline when one sweep is drive-bound while the other leaves the drive idle.
 
@@ -91,6 +94,20 @@ def resource_seconds(work: dict, rates: dict) -> dict:
             "cpu adamw": work["adamw_params"] / rates["adamw"]}
 
 
+def drive_busy(spans: list[dict], start: float, end: float) -> tuple[float, int]:
+    """(seconds in [start, end) with at least one drive transfer in flight, bytes those
+    transfers moved): the drive's achieved rate inside the step, to set beside the rates
+    probed outside it."""
+    busy, reach, moved = 0.0, start, 0
+    for s in sorted((s for s in spans if s["cat"] == "drive" and start <= s["start"] < end),
+                    key=lambda s: s["start"]):
+        a, b = max(s["start"], reach), min(s["end"], end)
+        busy += max(0.0, b - a)
+        reach = max(reach, b)
+        moved += s["args"]["bytes"]
+    return busy, moved
+
+
 def roofline(spans: list[dict], rates: dict) -> dict:
     """The step's measured time, its roofline (per phase the busiest resource, summed) and
     the step-wide bound (the busiest resource over the whole step), with each phase's
@@ -106,7 +123,10 @@ def roofline(spans: list[dict], rates: dict) -> dict:
     phases, total = {}, {}
     for name, (a, b) in zip(("forward", "backward"), zip(boundaries, boundaries[1:])):
         seconds = resource_seconds(phase_work(spans, a, b), rates)
-        phases[name] = {"measured_s": b - a, "roofline_s": max(seconds.values()), **seconds}
+        busy, moved = drive_busy(spans, a, b)
+        phases[name] = {"measured_s": b - a, "roofline_s": max(seconds.values()), **seconds,
+                        "drive_busy_s": busy, "drive_GBps_while_busy": moved / busy / 1e9
+                        if busy else None}
         for k, v in seconds.items():
             total[k] = total.get(k, 0.0) + v
     line = sum(p["roofline_s"] for p in phases.values())
@@ -243,7 +263,9 @@ def main(argv=None) -> int:
               f"{step['measured_s']:.2f} s, roofline {step['roofline_s']:.2f} s, step-wide "
               f"bound {step['bound_s']:.2f} s; per phase " + "; ".join(
                   f"{name} {ph['measured_s']:.2f} s (compute {ph['compute']:.2f}, drive "
-                  f"{ph['drive']:.2f}, copy {ph['host copy']:.2f}, adamw {ph['cpu adamw']:.2f})"
+                  f"{ph['drive']:.2f}, copy {ph['host copy']:.2f}, adamw {ph['cpu adamw']:.2f}; "
+                  f"drive busy {ph['drive_busy_s']:.2f} s at "
+                  f"{ph['drive_GBps_while_busy'] or 0:.2f} GB/s)"
                   for name, ph in step["phases"].items()), flush=True)
     if a.real_microbatches:
         results["real_compute"] = measure(a, a.real_microbatches, 0.0, device, steps=a.steps,
