@@ -57,6 +57,9 @@ from megatron_snake.training.build import build_run  # noqa: E402
 from megatron_snake.training.calibration import adamw_rate, copy_rate, drive_rates  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_timeline import busy_seconds  # noqa: E402  (the union of spans, as drawn there)
+
 MiB = 1 << 20
 
 
@@ -94,20 +97,6 @@ def resource_seconds(work: dict, rates: dict) -> dict:
             "cpu adamw": work["adamw_params"] / rates["adamw"]}
 
 
-def drive_busy(spans: list[dict], start: float, end: float) -> tuple[float, int]:
-    """(seconds in [start, end) with at least one drive transfer in flight, bytes those
-    transfers moved): the drive's achieved rate inside the step, to set beside the rates
-    probed outside it."""
-    busy, reach, moved = 0.0, start, 0
-    for s in sorted((s for s in spans if s["cat"] == "drive" and start <= s["start"] < end),
-                    key=lambda s: s["start"]):
-        a, b = max(s["start"], reach), min(s["end"], end)
-        busy += max(0.0, b - a)
-        reach = max(reach, b)
-        moved += s["args"]["bytes"]
-    return busy, moved
-
-
 def roofline(spans: list[dict], rates: dict) -> dict:
     """The step's measured time, its roofline (per phase the busiest resource, summed) and
     the step-wide bound (the busiest resource over the whole step), with each phase's
@@ -122,8 +111,12 @@ def roofline(spans: list[dict], rates: dict) -> dict:
     boundaries = [step_start, first("backward sweep")["start"], step_end]
     phases, total = {}, {}
     for name, (a, b) in zip(("forward", "backward"), zip(boundaries, boundaries[1:])):
-        seconds = resource_seconds(phase_work(spans, a, b), rates)
-        busy, moved = drive_busy(spans, a, b)
+        work = phase_work(spans, a, b)
+        seconds = resource_seconds(work, rates)
+        # the drive's achieved rate inside the phase, beside the rates probed outside it
+        busy = busy_seconds((s["start"], min(s["end"], b)) for s in spans
+                            if s["cat"] == "drive" and a <= s["start"] < b)
+        moved = work["drive_read"] + work["drive_write"]
         phases[name] = {"measured_s": b - a, "roofline_s": max(seconds.values()), **seconds,
                         "drive_busy_s": busy, "drive_GBps_while_busy": moved / busy / 1e9
                         if busy else None}
