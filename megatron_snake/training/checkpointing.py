@@ -89,7 +89,8 @@ MUST_MATCH = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 # storages, dtypes, torch.Size, torch.device, OrderedDict) and plain values (dict, list,
 # tuple, str, bytes, int, float, bool, None). io.BytesIO: Transformer Engine layers
 # (--transformer-impl transformer_engine) may keep their ``_extra_state`` in one; making a
-# BytesIO runs nothing.
+# BytesIO runs nothing, and what TE later unpickles from it is checked first
+# (extra_state.py).
 _SAFE_GLOBALS = (io.BytesIO,)
 _PLAIN = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype,
           torch.device, torch.Size, torch.Tensor, torch.nn.Parameter, *_SAFE_GLOBALS)

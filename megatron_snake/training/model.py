@@ -14,6 +14,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_snake.training.extra_state import refuse_unsafe_extra_state
+
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(
@@ -100,6 +102,7 @@ def build_gpt_model(args: argparse.Namespace, vocab_size: int, device: torch.dev
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
+    refuse_unsafe_extra_state(model)   # TE's pickled FP8 metadata, checked before TE loads it
     if on_built is not None:
         on_built(model)
     return model.to(device)
