@@ -269,6 +269,9 @@ def test_calibrate_writes_a_profile_the_planner_predicts_with(tmp_path):
     # a real step's host time: each unit visit costs something beside its passes
     assert hw.unit_visit_s > 0 and hw.unit_overhead_s > 0
     assert "measured by tools/calibrate.py" in hw.source
+    # on the CPU the compute rate is the one inside a real step; the layer alone is kept
+    assert hw.device_tflops_alone > 0 and hw.head_tflops_alone > 0
+    assert "inside a real step" in hw.source
     pred = json.loads(_plan(*SMALL, "--hardware", str(out), "--json").stdout)
     assert pred["step_time_s"] > 0
 

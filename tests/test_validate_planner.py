@@ -39,3 +39,16 @@ def test_two_rank_configurations_run_on_the_cpu_and_need_two_gpus():
     expected = (1, 2) if torch.cuda.device_count() >= 2 else (1,)
     assert tool.worlds("cuda") == expected
     assert {world for _, world, _, _ in tool.CONFIGS} == {1, 2}
+
+
+def test_each_configuration_is_also_predicted_from_the_rates_timed_alone():
+    from megatron_snake.planner import load_profile
+
+    hw = load_profile("h100_4x_gen4").with_(gpus_per_node=1)   # one rank: DP 1
+    flags = ["--num-layers", "4", "--global-batch-size", "8"]
+    same = tool.predictions(_options(), hw, flags)
+    assert same[0] == same[1]   # no *_alone rates: one prediction
+    slower_alone = hw.with_(device_tflops_alone=hw.device_tflops / 4,
+                            head_tflops_alone=hw.output_layer_tflops / 4)
+    in_step, alone = tool.predictions(_options(), slower_alone, flags)
+    assert in_step == same[0] and alone > in_step

@@ -11,9 +11,13 @@ matmul (the peak, for MFU), the drive through the store in --snake-offload-dir (
 the run would use; medians of three 256 MiB passes each way), the layer again while the
 store keeps the drive busy (the share of compute time the I/O takes: on a CPU device they
 share the cores), a real offloaded step of the flags' layout at a width where its FLOPs and
-bytes are next to nothing (its host time per unit pass and per unit visit), copies onto the
-device and within host memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities are the machine's: device and host memory, the
-offload drive's size. The profile says where every figure came from.
+bytes are next to nothing (its host time per unit pass and per unit visit), on a CPU
+device the layer and the output layer again inside a real offloaded step with host tiers
+(the rates the profile keeps: there the cores are shared with the store and the CPU AdamW;
+the rates timed alone stay as ``*_alone``), copies onto the device and within host
+memory, the fused CPU AdamW, and with several ranks an all-reduce. Capacities are the
+machine's: device and host memory, the offload drive's size. The profile says where every
+figure came from.
 """
 
 from __future__ import annotations
@@ -148,6 +152,45 @@ def step_overheads(flags: list[str], dp: int, device, vocab: int, bare_pass_s: f
     return {"unit_overhead_s": per_pass, "unit_visit_s": per_visit}
 
 
+def step_compute_rates(flags: list[str], device, vocab: int, bare_pass_s: float,
+                       warmup: int = 2, steps: int = 2) -> dict:
+    """Achieved TFLOP/s of a unit's layers and of the output layer with its loss inside a
+    real offloaded step: a CPU device computes on the cores that the store's copies and the
+    CPU AdamW share, so a layer timed alone is faster than the same layer in a step. The
+    step is the flags' (shape, micro-batches, clipping, alpha) with three units and every
+    tier on the host, so that the drive's own toll stays in ``io_compute_slowdown``. The
+    layers' time is the middle unit's forward, recompute and backward spans (the
+    timeline's) less the bare cost of each layer pass; the output layer's is the last
+    unit's backward-sweep spans less the middle unit's."""
+    from megatron_snake import timeline
+    from megatron_snake.training.build import build_run
+    k = parse_args(flags, world_size=dist.get_world_size()).snake_checkpoint_interval
+    args = parse_args(flags + ["--num-layers", str(3 * k), "--pipeline-model-parallel-size",
+                               "1", "--snake-param-tier", "host", "--snake-optimizer-tier",
+                               "host", "--snake-activation-tier", "host"],
+                      world_size=dist.get_world_size())
+    per_rank = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    batches = random_microbatches(per_rank, args.micro_batch_size, args.seq_length, vocab,
+                                  seed=0, device=device)
+    with build_run(args, device, vocab, rank=dist.get_rank(), log=lambda line: None) as run:
+        for _ in range(warmup):
+            run.step(batches)
+        with timeline.recording() as recorded:
+            for _ in range(steps):
+                run.step(batches)
+    spent = {}   # "F u1", "B u1", "B u2": seconds over the recorded steps
+    for s in recorded.spans:
+        if s["cat"] == "compute" and s["thread"] == "MainThread":
+            key = " ".join(s["name"].split()[:2])
+            spent[key] = spent.get(key, 0.0) + s["end"] - s["start"]
+    layers = spent["F u1"] + spent["B u1"]
+    passes = 4 * per_rank * k * steps     # forward, then recompute + backward: 4 forwards
+    flops = passes * layer_flops_of(args) * args.micro_batch_size * args.seq_length
+    head = 3 * per_rank * steps * output_layer_flops(args, vocab)
+    return {"device_tflops": flops / max(layers - passes * bare_pass_s, layers / 10) / 1e12,
+            "head_tflops": head / max(spent["B u2"] - spent["B u1"], 1e-9) / 1e12}
+
+
 def io_compute_slowdown(args, device, vocab: int, store, seconds: float = 0.3,
                         rounds: int = 3) -> float:
     """The share of a layer's forward + backward time that the store's drive I/O takes from
@@ -216,8 +259,20 @@ def main(argv=None) -> int:
         rates["io_compute_slowdown"] = io_compute_slowdown(args, device, vocab, store)
         engine = getattr(store.engine, "name", type(store.engine).__name__)
     print("> a real step's host time per unit pass and unit visit ...", flush=True)
+    bare_pass_s = rates["unit_overhead_s"]
     rates.update(step_overheads(flags, args.data_parallel_size, device, vocab,
                                 rates["unit_overhead_s"]))
+    compute = "one layer timed alone"
+    if device.type == "cpu":   # on a GPU the host's spans time launches, not kernels
+        print("> a layer inside a real step (host tiers) ...", flush=True)
+        in_step = step_compute_rates(flags, device, vocab, bare_pass_s)
+        rates["device_tflops_alone"] = rates["device_tflops"]
+        rates["head_tflops_alone"] = rates["head_tflops"]
+        rates.update(in_step)
+        # the output layer's share is a difference of two spans: within the noise, capped
+        rates["head_tflops"] = min(rates["head_tflops"], rates["device_peak_tflops"])
+        rates["device_peak_tflops"] = max(rates["device_peak_tflops"], rates["device_tflops"])
+        compute = "a unit's layers and the output layer inside a real step with host tiers"
     host_copy = calibration.copy_rate()
     pcie = calibration.copy_rate(device=device) if device.type == "cuda" else host_copy
     adam = calibration.adamw_rate()
@@ -236,7 +291,7 @@ def main(argv=None) -> int:
         inter_node_Bps=bus,
         source=(f"measured by tools/calibrate.py on {socket.gethostname()} "
                 f"{datetime.datetime.now().isoformat(timespec='seconds')}: {device.type} "
-                f"device, one layer of hidden {args.hidden_size}, seq {args.seq_length}, "
+                f"device, {compute}, hidden {args.hidden_size}, seq {args.seq_length}, "
                 f"micro-batch {args.micro_batch_size}, {args.params_dtype}; drive through "
                 f"the store ({engine} engine); "
                 f"collectives: {collectives}"))

@@ -9,9 +9,12 @@
    median of "elapsed time per iteration" after --warmup iterations. The configurations
    vary the size, M, G, alpha, the checkpoint interval and the tiers, and include PP = 2
    and DP = 2 under gloo.
-3. Predicts each with tools/plan.py's model and the matching profile, and runs the setting
-   --snake-auto picks. Steps 1-3 repeat ``--rounds`` times, in turn (this machine's speed
-   drifts from minute to minute), and each configuration's medians are compared.
+3. Predicts each with tools/plan.py's model and the matching profile, calibrated again
+   right before the configuration runs (``--calibrate each``, the default: this machine's
+   speed drifts over minutes), and runs the setting --snake-auto picks. Steps 1-3 repeat
+   ``--rounds`` times, in turn, and each configuration's medians are compared. On a CPU
+   device each prediction is also made with the compute rates of a layer timed alone
+   (the profile's ``*_alone`` fields) instead of inside a real step, for comparison.
 4. Prints each error, checks that the --snake-auto pick's measured step is within 5% of the
    fastest measured configuration among those it could have picked, draws predicted against
    measured (--png) and prints the median absolute error last.
@@ -115,6 +118,18 @@ def predicted(a, hw: Hardware, flags: list[str]) -> float:
     return predict(workload_from_args(args, 8192), hw, check=False).step_time_s
 
 
+def predictions(a, hw: Hardware, flags: list[str]) -> tuple[float, float]:
+    """The step predicted from the profile, and from it with the compute rates of a layer
+    and the output layer timed alone where the profile measured those apart (a CPU
+    device)."""
+    alone = hw
+    if hw.device_tflops_alone:
+        alone = hw.with_(device_tflops=hw.device_tflops_alone,
+                         head_tflops=hw.head_tflops_alone or hw.head_tflops,
+                         device_peak_tflops=max(hw.device_peak_tflops, hw.device_tflops_alone))
+    return predicted(a, hw, flags), predicted(a, alone, flags)
+
+
 def auto_choice(a, hw: Hardware) -> list[str]:
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.auto_config import choose
@@ -155,6 +170,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="calibrate and run every configuration this many times, in turn "
                         "(this machine's speed drifts from minute to minute); medians")
+    p.add_argument("--calibrate", choices=("each", "round"), default="each",
+                   help="calibrate right before each configuration is measured (default: "
+                        "this machine's speed drifts over minutes, and a profile from the "
+                        "round's start mispredicted later runs by up to a third), or once "
+                        "a round")
     p.add_argument("--json-out", default=None)
     p.add_argument("--png", default=None)
     a = p.parse_args(argv)
@@ -166,27 +186,40 @@ def main(argv=None) -> int:
     runs = {name: [] for name, *_ in configs}
     runs["--snake-auto"] = []
     profiles, auto = {}, None
+
+    def profile(world: int, r: int) -> None:
+        profiles[world] = calibrate(a, world)
+        print(f"> round {r + 1}: profile, {world} rank(s): "
+              f"{json.dumps(profiles[world].to_dict())}", flush=True)
+
     for r in range(a.rounds):
-        profiles = {world: calibrate(a, world) for world in ranks}
-        for world, hw in profiles.items():
-            print(f"> round {r + 1}: profile, {world} rank(s): {json.dumps(hw.to_dict())}",
-                  flush=True)
+        if a.calibrate == "round":
+            for world in ranks:
+                profile(world, r)
         for name, world, flags, _ in configs:
-            runs[name].append((measure(a, world, flags), predicted(a, profiles[world], flags)))
+            if a.calibrate == "each":
+                profile(world, r)
+            runs[name].append((measure(a, world, flags), *predictions(a, profiles[world], flags)))
             print(f"> round {r + 1}: {name:28s} measured {runs[name][-1][0]:7.3f} s  "
-                  f"predicted {runs[name][-1][1]:7.3f} s", flush=True)
+                  f"predicted {runs[name][-1][1]:7.3f} s (layer alone "
+                  f"{runs[name][-1][2]:7.3f} s)", flush=True)
         auto = auto or auto_choice(a, profiles[1])
-        runs["--snake-auto"].append((measure(a, 1, auto), predicted(a, profiles[1], auto)))
+        if a.calibrate == "each":
+            profile(1, r)
+        runs["--snake-auto"].append((measure(a, 1, auto), *predictions(a, profiles[1], auto)))
     rows = []
     for name, world, flags, candidate in configs + [("--snake-auto", 1, auto, False)]:
-        measured_s = statistics.median(m for m, _ in runs[name])
-        predicted_s = statistics.median(q for _, q in runs[name])
+        measured_s = statistics.median(m for m, _, _ in runs[name])
+        predicted_s = statistics.median(q for _, q, _ in runs[name])
+        alone_s = statistics.median(q for _, _, q in runs[name])
         error = (predicted_s - measured_s) / measured_s
         rows.append({"name": name, "world": world, "flags": flags, "candidate": candidate,
                      "measured_s": measured_s, "predicted_s": predicted_s, "error": error,
+                     "predicted_layer_alone_s": alone_s,
+                     "error_layer_alone": (alone_s - measured_s) / measured_s,
                      "runs": runs[name]})
         print(f"> {name:28s} measured {measured_s:7.3f} s  predicted {predicted_s:7.3f} s  "
-              f"error {error:+.1%}")
+              f"error {error:+.1%}  (layer alone: {rows[-1]['error_layer_alone']:+.1%})")
     auto_s = rows[-1]["measured_s"]
     fastest = min(r["measured_s"] for r in rows if r["candidate"])
     auto_ok = auto_s <= 1.05 * fastest
@@ -194,6 +227,9 @@ def main(argv=None) -> int:
           f"measured candidate {fastest:.3f} s: {auto_s / fastest:.3f}x "
           f"({'within' if auto_ok else 'NOT within'} 5%)")
     median_error = statistics.median(abs(r["error"]) for r in rows)
+    alone_error = statistics.median(abs(r["error_layer_alone"]) for r in rows)
+    print(f"> predicted from a layer timed alone instead: median absolute error "
+          f"{alone_error:.3f}")
     if a.png:
         draw(rows, a.png)
     if a.json_out:
@@ -201,7 +237,8 @@ def main(argv=None) -> int:
             json.dump({"profiles_last_round": {w: h.to_dict() for w, h in profiles.items()},
                        "rows": rows, "auto": {"flags": auto, "measured_s": auto_s,
                                               "fastest_candidate_s": fastest},
-                       "median_abs_error": median_error}, f, indent=2)
+                       "median_abs_error": median_error,
+                       "median_abs_error_layer_alone": alone_error}, f, indent=2)
     print(f"median absolute error {median_error:.3f}")
     return 0
 

@@ -13,7 +13,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "unit_visit_s", "source")
+OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "unit_visit_s", "device_tflops_alone",
+                   "head_tflops_alone", "source")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
@@ -44,6 +45,10 @@ class Hardware:
     unit_visit_s: float = 0.0     # host time of one visit of a unit in a sweep beside its
     #                               passes (acquiring and releasing its weights, handing its
     #                               gradient and update on), the step boundary's share in it
+    device_tflops_alone: float | None = None   # a layer, and the output layer, timed by
+    head_tflops_alone: float | None = None     # themselves, for comparison where the rates
+    #                               above were measured inside a real step (a CPU device,
+    #                               whose cores the store and the AdamW share)
     source: str = ""              # how the figures were obtained
 
     def __post_init__(self):
@@ -53,7 +58,8 @@ class Hardware:
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile: {f.name} must be a string")
                 continue
-            if f.name == "head_tflops" and value is None:
+            if f.name in ("head_tflops", "device_tflops_alone", "head_tflops_alone") and \
+                    value is None:
                 continue
             low_ok = f.name in ("unit_overhead_s", "io_compute_slowdown",
                                 "unit_visit_s") and value == 0
