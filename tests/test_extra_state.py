@@ -135,3 +135,81 @@ def test_te_extra_state_of_another_type_is_refused(gpt):
         gpt.load_state_dict(state)
     state["decoder.layers.0.te._extra_state"] = torch.empty(0, dtype=torch.uint8)   # no FP8
     gpt.load_state_dict(state)
+
+
+@pytest.fixture
+def te_recipes(monkeypatch):
+    """A stand-in for ``transformer_engine.common.recipe`` as TE 2 defines its recipes: a
+    dataclass whose format is an enum whose values are named tuples."""
+    import dataclasses
+    import enum
+    import sys
+    import types
+    from typing import NamedTuple
+
+    name = "transformer_engine.common.recipe"
+    module = types.ModuleType(name)
+
+    class _FormatHelper(NamedTuple):
+        max_fwd: float
+        max_bwd: float
+
+    class Format(enum.Enum):
+        E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+        HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+
+    @dataclasses.dataclass()
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+
+    for cls in (_FormatHelper, Format, DelayedScaling):
+        cls.__module__ = name
+        cls.__qualname__ = cls.__name__
+        setattr(module, cls.__name__, cls)
+    for parent in ("transformer_engine", "transformer_engine.common"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_te_extra_state_with_its_fp8_recipe_loads(gpt, te_recipes):
+    layer = gpt.decoder.layers[0]
+    layer.te.fp8_meta["recipe"] = te_recipes.DelayedScaling(margin=2)
+    state = gpt.state_dict()
+    layer.te.fp8_meta = {}
+    gpt.load_state_dict(state)
+    assert layer.te.fp8_meta["recipe"] == te_recipes.DelayedScaling(margin=2)
+    assert layer.te.fp8_meta["recipe"].fp8_format is te_recipes.Format.HYBRID
+
+
+def test_te_extra_state_that_sets_attributes_of_an_allowed_function_is_refused(gpt):
+    """BUILD with slot state on an allowed global (here a function) would set attributes
+    on it for the whole process while the payload is checked: refused before that."""
+    from megatron_snake.training.checkpointing import UnsafeCheckpointError
+
+    payload = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n"    # GLOBAL
+               b"N}X\x05\x00\x00\x00snakeK\x01s\x86b.")          # (None, {snake: 1}), BUILD
+    state = gpt.state_dict()
+    state["decoder.layers.0.te._extra_state"] = torch.frombuffer(bytearray(payload),
+                                                                dtype=torch.uint8)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="sets attributes of function"):
+            gpt.load_state_dict(state)
+        assert not hasattr(torch._utils._rebuild_tensor_v2, "snake")
+    finally:
+        vars(torch._utils._rebuild_tensor_v2).pop("snake", None)
+
+
+def test_te_extra_state_that_reaches_past_an_allowed_name_is_refused(gpt, te_recipes):
+    from megatron_snake.training.checkpointing import UnsafeCheckpointError
+
+    te_recipes.Enum = __import__("enum").Enum   # as `from enum import Enum` leaves it
+    for name in ("Enum", "DelayedScaling.__init__.__globals__"):
+        payload = f"\x80\x02ctransformer_engine.common.recipe\n{name}\n.".encode("latin-1")
+        state = gpt.state_dict()
+        state["decoder.layers.0.te._extra_state"] = torch.frombuffer(bytearray(payload),
+                                                                    dtype=torch.uint8)
+        with pytest.raises(UnsafeCheckpointError, match="refers to transformer_engine"):
+            gpt.load_state_dict(state)

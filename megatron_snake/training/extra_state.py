@@ -12,6 +12,7 @@ values and TE's recipe classes. Anything else stops the load, and nothing in it 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import pickle
@@ -21,7 +22,8 @@ import torch
 from megatron_snake.training.checkpointing import UnsafeCheckpointError, only_safe_globals
 
 # What TE's FP8 metadata pickles: tensors (rebuilt from bytes, which are checked in turn),
-# containers and torch's value types. A recipe object is one of TE's dataclasses or enums.
+# containers and torch's value types. A recipe object is one of TE's dataclasses, enums or
+# named tuples (an enum member pickles by value: Format(_FormatHelper(448, 57344))).
 _ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
             ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
             ("torch", "Size"), ("torch", "device")}
@@ -35,23 +37,47 @@ def _storage_from_bytes(data: bytes):
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-class _Unpickler(pickle.Unpickler):
+def _is_recipe_type(found) -> bool:
+    return isinstance(found, type) and found.__module__ == _TE_RECIPES and (
+        (issubclass(found, enum.Enum) and found is not enum.Enum)
+        or dataclasses.is_dataclass(found)
+        or (issubclass(found, tuple) and hasattr(found, "_fields")))
+
+
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so that BUILD can be checked too: the C one sets any
+    state on any object, a class or a function included, before a later opcode is
+    refused."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module, name):
+        if "." in name:   # an attribute path reaches past the allowlist
+            raise UnsafeCheckpointError(f"refers to {module}.{name}")
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return _storage_from_bytes
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == _TE_RECIPES:
-            found = super().find_class(module, name)
-            if isinstance(found, type) and (issubclass(found, enum.Enum)
-                                            or hasattr(found, "__dataclass_fields__")):
-                return found
+        if module == _TE_RECIPES and _is_recipe_type(found := super().find_class(module, name)):
+            return found
         raise UnsafeCheckpointError(f"refers to {module}.{name}")
 
     def persistent_load(self, pid):
         raise UnsafeCheckpointError("holds a persistent id")
+
+    def load_build(self):
+        """Only a recipe dataclass's own fields, as a plain dict, on an instance of it."""
+        state, target = self.stack[-1], self.stack[-2]
+        fields = getattr(type(target), "__dataclass_fields__", None)
+        if isinstance(target, type) or not _is_recipe_type(type(target)) or fields is None \
+                or not isinstance(state, dict) or not set(state) <= set(fields) | {"_cached_repr"}:
+            raise UnsafeCheckpointError(f"sets attributes of {type(target).__name__} "
+                                        f"{getattr(target, '__name__', '')}".rstrip())
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def check_extra_state(key: str, value) -> None:
