@@ -192,12 +192,13 @@ def step_compute_rates(flags: list[str], device, vocab: int, bare_pass_s: float,
     passes = 4 * per_rank * k * steps     # forward, then recompute + backward: 4 forwards
     flops = passes * layer_flops_of(args) * args.micro_batch_size * args.seq_length
     head = 3 * per_rank * steps * output_layer_flops(args, vocab)
-    if spent["B u2"] - spent["B u1"] < spent["B u1"] / 20:
+    head_s = spent["B u2"] - spent["B u1"]
+    if head_s < spent["B u1"] / 20:
         print(f"> warning: inside the step the last unit took {spent['B u2']:.4f} s against "
               f"{spent['B u1']:.4f} s for a middle one: the output layer's time is within "
               "the noise; its rate is capped at the matmul peak", flush=True)
     return {"device_tflops": flops / max(layers - passes * bare_pass_s, layers / 10) / 1e12,
-            "head_tflops": head / max(spent["B u2"] - spent["B u1"], 1e-9) / 1e12}
+            "head_tflops": head / max(head_s, 1e-9) / 1e12}
 
 
 def io_compute_slowdown(args, device, vocab: int, store, seconds: float = 0.3,

@@ -12,8 +12,9 @@
 3. Predicts each with tools/plan.py's model and the matching profile, calibrated again
    (with the same calibration flags as step 1: this tracks the machine's drift, not each
    configuration's settings) right before the configuration runs (``--calibrate each``,
-   the default: this machine's speed drifts over minutes), and runs the setting --snake-auto picks. Steps 1-3 repeat
-   ``--rounds`` times, in turn, and each configuration's medians are compared. On a CPU
+   the default: this machine's speed drifts over minutes), and runs the setting
+   --snake-auto picks. Steps 1-3 repeat ``--rounds`` times, in turn, and each
+   configuration's medians are compared. On a CPU
    device each prediction is also made with the compute rates of a layer timed alone
    (the profile's ``*_alone`` fields) instead of inside a real step, for comparison.
 4. Prints each error, checks that the --snake-auto pick's measured step is within 5% of the

@@ -30,9 +30,10 @@ _ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_p
 _TE_RECIPES = "transformer_engine.common.recipe"
 
 
-def _storage_from_bytes(data: bytes):
-    """``torch.storage._load_from_bytes`` (which loads with weights_only=False), checked:
-    the bytes load under torch's own weights-only allowlist, nothing added."""
+def _load_weights_only(data: bytes):
+    """``data`` as ``torch.load`` reads it under torch's own weights-only allowlist, nothing
+    added: what ``torch.storage._load_from_bytes`` (weights_only=False) and TE 1's BytesIO
+    would load, checked."""
     with only_safe_globals(()):
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
@@ -55,7 +56,7 @@ class _Unpickler(pickle._Unpickler):
         if "." in name:   # an attribute path reaches past the allowlist
             raise UnsafeCheckpointError(f"refers to {module}.{name}")
         if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _storage_from_bytes
+            return _load_weights_only
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in _ALLOWED:
@@ -91,9 +92,7 @@ def check_extra_state(key: str, value) -> None:
                 raise UnsafeCheckpointError(f"is a {value.dtype} tensor, not pickled bytes")
             _Unpickler(io.BytesIO(value.detach().cpu().numpy().tobytes())).load()
         elif isinstance(value, io.BytesIO):
-            data = value.getvalue()
-            with only_safe_globals(()):
-                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            _load_weights_only(value.getvalue())
         else:
             raise UnsafeCheckpointError(f"is a {type(value).__name__}, which TE never saves")
     except UnsafeCheckpointError as exc:
