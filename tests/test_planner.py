@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from megatron_snake.planner import DoesNotFit, Hardware, Stage, Workload, predict
+from megatron_snake.planner.cost import one_f_one_b
 from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.build import build_run
 from megatron_snake.training.data import random_microbatches
@@ -89,10 +90,13 @@ def _uniform(stages: int, units: int = 4, micro_batches: int = 8, group_size: in
     return Workload(**fields)
 
 
-def _one_f_one_b(stages: int, groups: int, fwd: float, bwd: float) -> float:
+def _one_f_one_b(stages: int, groups: int, fwd, bwd) -> float:
     """Megatron's 1F1B (warm-up forwards, steady one forward one backward, cool-down), each
-    stage waiting for its neighbour's output: the finish time of the first stage's last
-    backward, by a small event simulation."""
+    stage waiting for its neighbour's output, stage s taking fwd[s] and bwd[s] (or one
+    figure for all): the finish time of the first stage's last backward, by a small event
+    simulation."""
+    fwd = fwd if isinstance(fwd, list) else [fwd] * stages
+    bwd = bwd if isinstance(bwd, list) else [bwd] * stages
     done_f, done_b = {}, {}
     order = []
     for s in range(stages):
@@ -120,7 +124,7 @@ def _one_f_one_b(stages: int, groups: int, fwd: float, bwd: float) -> float:
                 if dep is None:
                     break
                 start = max(clock[s], dep)
-                clock[s] = start + (fwd if kind == "F" else bwd)
+                clock[s] = start + (fwd[s] if kind == "F" else bwd[s])
                 (done_f if kind == "F" else done_b)[(s, g)] = clock[s]
                 pending[s].pop(0)
                 progressed = True
@@ -130,17 +134,45 @@ def _one_f_one_b(stages: int, groups: int, fwd: float, bwd: float) -> float:
 
 @pytest.mark.parametrize("stages,groups", [(2, 4), (4, 8), (4, 4), (8, 16)])
 def test_the_bubble_is_1f1bs_at_equal_stage_times(stages, groups):
-    """Every stage given the slowest stage's per-group times (the model's assumption), an
-    event simulation of Megatron's 1F1B ends when the model says."""
+    """At equal stages the step is (M/G + p - 1) groups' time, a bubble of
+    (p - 1) / (M/G + p - 1)."""
+    f, b = 0.3, 0.7
+    assert one_f_one_b([f] * stages, [b] * stages, groups) == \
+        pytest.approx((groups + stages - 1) * (f + b), rel=1e-12)
+    assert _one_f_one_b(stages, groups, f, b) == pytest.approx((groups + stages - 1) * (f + b))
+
+
+@pytest.mark.parametrize("stages,groups", [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_the_step_is_1f1bs_end_at_the_models_stage_times(stages, groups):
+    """The stages of a real split are not equal (the last one's forward sweep skips its last
+    unit, middle stages send both ways): the step is when an event simulation of 1F1B with
+    each stage's own per-group sweeps ends."""
     hw = H100.with_(gpus_per_node=8)
     w = _uniform(stages, micro_batches=groups * 2, group_size=2)
     pred = predict(w, hw, check=False)
-    slowest = pred.stages[pred.slowest]
-    per_group = {s: slowest.sweeps[s]["time"] / groups for s in ("forward", "backward")}
-    reference = _one_f_one_b(stages, groups, per_group["forward"] + slowest.p2p_s / groups,
-                             per_group["backward"])
-    assert pred.step_time_s == pytest.approx(reference, rel=1e-9)
-    assert pred.bubble_s / pred.step_time_s == pytest.approx((stages - 1) / (groups + stages - 1))
+    fwd = [(c.sweeps["forward"]["time"] + c.p2p_s / 2) / groups for c in pred.stages]
+    bwd = [(c.sweeps["backward"]["time"] + c.p2p_s / 2) / groups for c in pred.stages]
+    assert pred.step_time_s == pytest.approx(_one_f_one_b(stages, groups, fwd, bwd), rel=1e-9)
+    assert pred.bubble_s == pytest.approx(pred.step_time_s - pred.stages[pred.slowest].time_s)
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8])
+def test_one_slow_stage_adds_only_its_neighbours_fill_and_drain(groups):
+    """Two stages, worked by hand. The last stage slow: the first stage's forward fills the
+    pipe and its backward drains it, n(f1 + b1) + f0 + b0. The first stage slow: 1F1B hides
+    the last stage's group (g1) behind the first one's second forward and its last backward,
+    so it adds only what g1 takes beyond each. The old model (the slowest stage times
+    (n + 1)/n) over-predicts both."""
+    f0, b0, f1, b1 = 0.2, 0.4, 0.5, 1.0
+    slow_last = groups * (f1 + b1) + f0 + b0
+    assert one_f_one_b([f0, f1], [b0, b1], groups) == pytest.approx(slow_last)
+    f0, b0, f1, b1 = 0.5, 1.0, 0.3, 0.5
+    g1 = f1 + b1
+    slow_first = groups * (f0 + b0) + max(0.0, g1 - f0) + max(0.0, g1 - b0)
+    assert one_f_one_b([f0, f1], [b0, b1], groups) == pytest.approx(slow_first)
+    assert max(slow_last, slow_first) < (groups + 1) * (f0 + b0)
+    # one group: nothing to overlap, the four sweeps in a row
+    assert one_f_one_b([f0, f1], [b0, b1], 1) == pytest.approx(f0 + f1 + b1 + b0)
 
 
 RATES = ["device_tflops", "pcie_Bps", "drive_read_Bps", "drive_write_Bps", "host_copy_Bps",

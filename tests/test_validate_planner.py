@@ -5,6 +5,7 @@ on GPUs the two-rank configurations need two devices."""
 import importlib.util
 import os
 
+import pytest
 import torch
 
 from megatron_snake.training.arguments import parse_args
@@ -52,3 +53,27 @@ def test_each_configuration_is_also_predicted_from_the_rates_timed_alone():
                             head_tflops_alone=hw.output_layer_tflops / 4)
     in_step, alone = tool.predictions(_options(), slower_alone, flags)
     assert in_step == same[0] and alone > in_step
+
+
+def test_a_missing_dir_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--dir", str(tmp_path / "typo")])
+    assert exc.value.code == 2
+    assert f"--dir {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
+
+
+def test_a_failing_calibration_reports_its_own_error(tmp_path):
+    """The calibration's error (here: its offload directory is missing) reaches the user,
+    not only its exit status."""
+    a = _options("dir", str(tmp_path / "gone"))
+    with pytest.raises(RuntimeError, match="--snake-offload-dir .*gone does not exist"):
+        tool.calibrate(a, 1)
+
+
+def test_a_configurations_error_pairs_each_run_with_its_own_rounds_profile():
+    """Two rounds are predicted exactly; in the third the machine slowed down after its
+    calibration (1.0 s predicted, 2.0 s measured). Paired round by round the error is 0;
+    the medians (1.0 s predicted, 1.4 s measured) would report -29% from one round."""
+    runs = [(1.0, 1.0, 0.9), (1.4, 1.4, 1.26), (2.0, 1.0, 0.9)]
+    assert tool.paired_error(runs, 1) == 0.0
+    assert tool.paired_error(runs, 2) == pytest.approx(-0.1)

@@ -13,8 +13,10 @@
    (with the same calibration flags as step 1: this tracks the machine's drift, not each
    configuration's settings) right before the configuration runs (``--calibrate each``,
    the default: this machine's speed drifts over minutes), and runs the setting
-   --snake-auto picks. Steps 1-3 repeat ``--rounds`` times, in turn, and each
-   configuration's medians are compared. On a CPU
+   --snake-auto picks. Steps 1-3 repeat ``--rounds`` times, in turn. A configuration's
+   error is the median over the rounds of each round's error (a measurement against the
+   prediction from the profile calibrated right before it); the error of its median
+   measurement and median prediction, rounds unpaired, is printed too. On a CPU
    device each prediction is also made with the compute rates of a layer timed alone
    (the profile's ``*_alone`` fields) instead of inside a real step, for comparison.
 4. Prints each error, checks that the --snake-auto pick's measured step is within 5% of the
@@ -88,12 +90,19 @@ def _launch(world: int, script: str, argv: list[str]) -> list[str]:
             f"--nproc-per-node={world}", script, *argv]
 
 
+def _run(world: int, script: str, argv: list[str], what) -> subprocess.CompletedProcess:
+    """Run a tool; a failure raises with its own error, the end of its stderr."""
+    proc = subprocess.run(_launch(world, os.path.join(ROOT, *script.split("/")), argv),
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"{script} {what}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def calibrate(a, world: int) -> Hardware:
     out = os.path.join(a.dir, f"profile_world{world}.json")
     flags = base_flags(a) + ["--num-layers", "4", "--global-batch-size", str(8 * world)]
-    subprocess.run(_launch(world, os.path.join(ROOT, "tools", "calibrate.py"),
-                           [*flags, "--output", out]), check=True, capture_output=True,
-                   text=True)
+    _run(world, "tools/calibrate.py", [*flags, "--output", out], f"({world} rank(s))")
     return Hardware.load(out)
 
 
@@ -101,10 +110,7 @@ def measure(a, world: int, flags: list[str]) -> float:
     """Median seconds per iteration after the warm-up iterations."""
     argv = [*base_flags(a), *flags, "--train-iters", str(a.warmup + a.iters),
             "--log-interval", "1", "--eval-interval", "100000"]
-    proc = subprocess.run(_launch(world, os.path.join(ROOT, "examples", "pretrain_gpt.py"),
-                                  argv), capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise RuntimeError(f"{flags}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    proc = _run(world, "examples/pretrain_gpt.py", argv, flags)
     times = [float(ms) / 1e3 for it, ms in ITERATION_MS.findall(proc.stdout)
              if int(it) > a.warmup]
     if len(times) < a.iters:
@@ -130,6 +136,14 @@ def predictions(a, hw: Hardware, flags: list[str]) -> tuple[float, float]:
                          head_tflops=hw.head_tflops_alone or hw.head_tflops,
                          device_peak_tflops=max(hw.device_peak_tflops, hw.device_tflops_alone))
     return predicted(a, hw, flags), predicted(a, alone, flags)
+
+
+def paired_error(runs: list[tuple], column: int) -> float:
+    """A configuration's error: the median over rounds of each round's relative error, the
+    measurement against the prediction from the profile calibrated right before it. This
+    machine's speed drifts by a fifth within minutes, so a prediction is compared with the
+    run made under the same conditions, not with another round's."""
+    return statistics.median(r[column] / r[0] - 1 for r in runs)
 
 
 def auto_choice(a, hw: Hardware) -> list[str]:
@@ -180,6 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", default=None)
     p.add_argument("--png", default=None)
     a = p.parse_args(argv)
+    if not os.path.isdir(a.dir):   # the runs refuse it too, but only after a calibration
+        p.error(f"--dir {a.dir} does not exist: create it on the drive to model (it is not "
+                "created for you, as --snake-offload-dir is not)")
     ranks = worlds(a.device)
     configs = [c for c in CONFIGS if c[1] in ranks]
     if len(configs) < len(CONFIGS):
@@ -214,14 +231,16 @@ def main(argv=None) -> int:
         measured_s = statistics.median(m for m, _, _ in runs[name])
         predicted_s = statistics.median(q for _, q, _ in runs[name])
         alone_s = statistics.median(q for _, _, q in runs[name])
-        error = (predicted_s - measured_s) / measured_s
         rows.append({"name": name, "world": world, "flags": flags, "candidate": candidate,
-                     "measured_s": measured_s, "predicted_s": predicted_s, "error": error,
+                     "measured_s": measured_s, "predicted_s": predicted_s,
+                     "error": paired_error(runs[name], 1),
+                     "error_of_medians": (predicted_s - measured_s) / measured_s,
                      "predicted_layer_alone_s": alone_s,
-                     "error_layer_alone": (alone_s - measured_s) / measured_s,
+                     "error_layer_alone": paired_error(runs[name], 2),
                      "runs": runs[name]})
         print(f"> {name:28s} measured {measured_s:7.3f} s  predicted {predicted_s:7.3f} s  "
-              f"error {error:+.1%}  (layer alone: {rows[-1]['error_layer_alone']:+.1%})")
+              f"error {rows[-1]['error']:+.1%}, of the medians {rows[-1]['error_of_medians']:+.1%}"
+              f"  (layer alone: {rows[-1]['error_layer_alone']:+.1%})")
     auto_s = rows[-1]["measured_s"]
     fastest = min(r["measured_s"] for r in rows if r["candidate"])
     auto_ok = auto_s <= 1.05 * fastest
@@ -230,8 +249,11 @@ def main(argv=None) -> int:
           f"({'within' if auto_ok else 'NOT within'} 5%)")
     median_error = statistics.median(abs(r["error"]) for r in rows)
     alone_error = statistics.median(abs(r["error_layer_alone"]) for r in rows)
+    medians_error = statistics.median(abs(r["error_of_medians"]) for r in rows)
     print(f"> predicted from a layer timed alone instead: median absolute error "
           f"{alone_error:.3f}")
+    print(f"> the error of the medians (each row's median prediction against its median "
+          f"measurement, rounds unpaired): median absolute error {medians_error:.3f}")
     if a.png:
         draw(rows, a.png)
     if a.json_out:
@@ -240,6 +262,7 @@ def main(argv=None) -> int:
                        "rows": rows, "auto": {"flags": auto, "measured_s": auto_s,
                                               "fastest_candidate_s": fastest},
                        "median_abs_error": median_error,
+                       "median_abs_error_of_medians": medians_error,
                        "median_abs_error_layer_alone": alone_error}, f, indent=2)
     print(f"median absolute error {median_error:.3f}")
     return 0

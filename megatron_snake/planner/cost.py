@@ -10,8 +10,9 @@ the first unit's weight read, which nothing hides; a compute device that shares 
 cores (the CPU) is slowed by the drive's I/O beside it, by a measured share. Read-ahead
 moves the optimizer state's reads from the forward sweep into the backward sweep's drive
 slack, as the runtime does (docs/overlap.md). A stage's time is its sweeps over all snake
-groups plus its pipeline sends; the step is the slowest stage's time stretched by the
-bubble, (M/G + p - 1) / (M/G) (1F1B with M/G groups). Bytes follow the store's
+groups plus its pipeline sends; the step is when Megatron's 1F1B over the M/G groups ends,
+given each stage's per-group sweeps: (M/G + p - 1) / (M/G) times a stage's time when the
+stages are equal, less when only one stage is slow. Bytes follow the store's
 accounting: what each tier holds, and what it reads and writes per step, per kind of state.
 """
 
@@ -365,6 +366,48 @@ def check_fits(w: Workload, hw: Hardware, cost: StageCost) -> None:
             f"{hw.host_memory / 2**30:.1f} GiB: lower --snake-host-memory-limit")
 
 
+def _per_group(cost: StageCost, sweep: str, groups: int) -> float:
+    """One snake group's sweep on a stage, with its half of the stage's pipeline sends."""
+    return (cost.sweeps[sweep]["time"] + cost.p2p_s / 2) / groups
+
+
+def one_f_one_b(fwd: list[float], bwd: list[float], groups: int) -> float:
+    """When Megatron's 1F1B schedule ends, each stage running a group's forward sweep in
+    ``fwd[s]`` and its backward sweep in ``bwd[s]``: (groups + p - 1) times a group's time
+    at equal stages; at unequal ones the slowest stage sets the pace and the others add
+    their fill and drain, which 1F1B's order partly hides (so no closed form)."""
+    p = len(fwd)
+    orders = []
+    for s in range(p):   # warm-up forwards, then one forward and one backward in turn
+        warm = min(p - 1 - s, groups)
+        ops = [("F", g) for g in range(warm)]
+        for g in range(groups):
+            ops += [("F", g + warm)] if g + warm < groups else []
+            ops.append(("B", g))
+        orders.append(ops)
+    end: dict = {}             # (kind, stage, group) -> when it ends
+    free = [0.0] * p           # when each stage is next free
+    nxt = [0] * p              # each stage's next op
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, g = orders[s][nxt[s]]
+                if kind == "F":
+                    needs = ("F", s - 1, g) if s else None
+                else:
+                    needs = ("B", s + 1, g) if s < p - 1 else ("F", s, g)
+                if needs is not None and needs not in end:
+                    break
+                start = max(free[s], end[needs] if needs else 0.0)
+                free[s] = end[(kind, s, g)] = start + (fwd[s] if kind == "F" else bwd[s])
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            raise AssertionError("1F1B deadlocked: a planner bug")
+    return max(free)
+
+
 def predict(w: Workload, hw: Hardware, *, check: bool = True) -> Prediction:
     """The step time and bytes of ``w`` on ``hw``; DoesNotFit names the tier that is short."""
     costs = [stage_cost(w, hw, s) for s in range(w.pp)]
@@ -372,8 +415,8 @@ def predict(w: Workload, hw: Hardware, *, check: bool = True) -> Prediction:
         for cost in costs:
             check_fits(w, hw, cost)
     slowest = max(costs, key=lambda c: c.time_s)
-    stretch = (w.groups + w.pp - 1) / w.groups
-    step = slowest.time_s * stretch
+    step = one_f_one_b([_per_group(c, "forward", w.groups) for c in costs],
+                       [_per_group(c, "backward", w.groups) for c in costs], w.groups)
     gpus = w.dp * w.tp * w.pp
     traffic = slowest.traffic
     by_kind: dict = {}
