@@ -113,10 +113,11 @@ def main(argv=None) -> int:
                       f"{x['mixed_s']:.2f} s", flush=True)
     summary = {cores: {key: statistics.median(x[key] for x in xs) for key in xs[0]}
                for cores, xs in rounds.items()}
-    print(json.dumps({"config": vars(a), "rounds": rounds, "medians": summary}, indent=1))
+    results = {"config": vars(a), "rounds": rounds, "medians": summary}
+    print(json.dumps(results, indent=1))
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"config": vars(a), "rounds": rounds, "medians": summary}, f, indent=1)
+            json.dump(results, f, indent=1)
     print(f"busy cores / idle cores, each direction alone: write "
           f"{summary['busy']['write_GBps'] / summary['idle']['write_GBps']:.2f}, read "
           f"{summary['busy']['read_GBps'] / summary['idle']['read_GBps']:.2f}")
