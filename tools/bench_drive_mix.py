@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from megatron_snake.storage.sizes import parse_size  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
+from megatron_snake.training.calibration import drive_rates  # noqa: E402
 
 
 def _puts(store, tag, records, data):
@@ -45,26 +46,22 @@ def _drop(store, tag, records):
 
 
 def one_round(store, size: int, record: int) -> dict:
-    data = torch.empty(record, dtype=torch.uint8).random_()
+    """In turn: the store's own drive probe (``drive_rates``, what tools/bench_overlap.py
+    prices its roofline with). Mixed: the records ``_puts(store, "a", ...)`` left on the
+    drive read while as many are written."""
+    rates = drive_rates(store, size, record)
+    in_turn_s = size / rates["write"] + size / rates["read"]
     n = size // record
-    start = time.perf_counter()
-    _puts(store, "a", n, data)
-    write_s = time.perf_counter() - start
-    start = time.perf_counter()
-    _gets(store, "a", n)
-    read_s = time.perf_counter() - start
+    data = torch.empty(record, dtype=torch.uint8).random_()
     start = time.perf_counter()
     writer = threading.Thread(target=_puts, args=(store, "b", n, data))
     writer.start()
     _gets(store, "a", n)
     writer.join()
     mixed_s = time.perf_counter() - start
-    _drop(store, "a", n)
     _drop(store, "b", n)
-    nbytes = n * record
-    return {"write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9,
-            "in_turn_s": write_s + read_s, "mixed_s": mixed_s,
-            "mixed_over_in_turn": mixed_s / (write_s + read_s)}
+    return {"write_GBps": rates["write"] / 1e9, "read_GBps": rates["read"] / 1e9,
+            "in_turn_s": in_turn_s, "mixed_s": mixed_s, "mixed_over_in_turn": mixed_s / in_turn_s}
 
 
 class BusyCores:
@@ -99,9 +96,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not os.path.isdir(a.dir):
         p.error(f"--dir {a.dir} does not exist: create it on the drive to measure")
+    if a.size < a.record:
+        p.error(f"--size {a.size} is below one --record ({a.record} bytes): raise --size")
+    a.size -= a.size % a.record   # whole records, so that every rate counts what moved
     torch.set_num_threads(1)   # the busy threads' matmuls, one core each
     rounds = {"idle": [], "busy": []}
     with TensorStore(a.dir, host_memory_limit=2 * a.record + (1 << 30), device="cpu") as store:
+        _puts(store, "a", a.size // a.record, torch.empty(a.record, dtype=torch.uint8).random_())
         for r in range(a.repeat):
             rounds["idle"].append(one_round(store, a.size, a.record))
             with BusyCores():

@@ -92,7 +92,7 @@ def _launch(world: int, script: str, argv: list[str]) -> list[str]:
 
 def _run(world: int, script: str, argv: list[str], what) -> subprocess.CompletedProcess:
     """Run a tool; a failure raises with its own error, the end of its stderr."""
-    proc = subprocess.run(_launch(world, os.path.join(ROOT, *script.split("/")), argv),
+    proc = subprocess.run(_launch(world, os.path.join(ROOT, script), argv),
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{script} {what}: exit {proc.returncode}\n{proc.stderr[-3000:]}")

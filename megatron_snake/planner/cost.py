@@ -382,7 +382,8 @@ def one_f_one_b(fwd: list[float], bwd: list[float], groups: int) -> float:
         warm = min(p - 1 - s, groups)
         ops = [("F", g) for g in range(warm)]
         for g in range(groups):
-            ops += [("F", g + warm)] if g + warm < groups else []
+            if g + warm < groups:
+                ops.append(("F", g + warm))
             ops.append(("B", g))
         orders.append(ops)
     end: dict = {}             # (kind, stage, group) -> when it ends
