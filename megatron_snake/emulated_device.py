@@ -12,6 +12,15 @@ get's destination), so its workers copy a unit's output only once the device wou
 computed it and fill a buffer only once the device would be done with it: the waits of a
 GPU run, at the same places.
 
+The device's memory is host memory here, so which tensors are the device's is told by the
+thread: those the thread that entered ``emulating()`` (the one running the schedule, which
+on a GPU launches the kernels) puts and gets; the optimizer's and the store's workers hold
+host tensors, as they do on a GPU. With a host link (``emulating(link_bytes_per_s=...)``)
+a copy between the device and host memory is what a GPU's copy engines make of it: time on
+one engine per direction, ``bytes / rate``, and no CPU, as DMA takes none; its bytes are
+not moved (the emulated device computes nothing from them). Without one, such copies are
+CPU copies on this machine's cores.
+
 Only a benchmark turns it on (``emulating``); it imports nothing of this package's, so
 every layer may ask ``active()``.
 """
@@ -61,12 +70,43 @@ class DeviceClock:
         self.event().synchronize()
 
 
+class HostLink:
+    """The device's link to host memory (PCIe): one copy engine per direction."""
+
+    def __init__(self, bytes_per_s: float):
+        if bytes_per_s <= 0:
+            raise ValueError(f"the emulated host link needs a rate > 0 bytes/s, "
+                             f"got {bytes_per_s}")
+        self.bytes_per_s = bytes_per_s
+        self.engines = {"h2d": DeviceClock(), "d2h": DeviceClock()}
+
+
 _active: DeviceClock | None = None
+_link: HostLink | None = None
+_device_thread: threading.Thread | None = None
 
 
 def active() -> DeviceClock | None:
     """The clock while a block runs ``emulating()``, else None."""
     return _active
+
+
+def device_side() -> bool:
+    """Whether the calling thread's tensors are the emulated device's (see above)."""
+    return _active is not None and threading.current_thread() is _device_thread
+
+
+def link_copy(nbytes: int, direction: str) -> tuple[float, float] | None:
+    """A copy of ``nbytes`` between the device and host memory (``direction`` "h2d" or
+    "d2h") on the emulated host link: queued on that direction's engine, and the caller
+    waits until it is done, as a store worker waits for its copy stream. Returns its
+    (start, end) host times; None without a link (the caller copies the bytes itself)."""
+    link = _link
+    if link is None:
+        return None
+    start, end = link.engines[direction].launch(nbytes / link.bytes_per_s)
+    ClockEvent(end).synchronize()
+    return start, end
 
 
 def host_read() -> None:
@@ -77,13 +117,15 @@ def host_read() -> None:
 
 
 @contextmanager
-def emulating():
-    """``with emulating() as clock:`` the device compute of the block is the clock's."""
-    global _active
+def emulating(link_bytes_per_s: float | None = None):
+    """``with emulating() as clock:`` the device compute of the block is the clock's, and
+    with ``link_bytes_per_s`` its copies to and from host memory are a host link's."""
+    global _active, _link, _device_thread
     if _active is not None:
         raise RuntimeError("an emulated device is already running")
-    _active = DeviceClock()
+    link = HostLink(link_bytes_per_s) if link_bytes_per_s else None
+    _active, _link, _device_thread = DeviceClock(), link, threading.current_thread()
     try:
         yield _active
     finally:
-        _active = None
+        _active = _link = _device_thread = None

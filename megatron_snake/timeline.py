@@ -60,14 +60,14 @@ class Timeline:
 
 
 def _thread_order(name: str):
-    """The emulated device, the main thread, then compute-adjacent workers, then the
-    store's pools."""
-    for rank, prefix in enumerate(("device", "MainThread", "snake-adamw", "snake-store-read",
-                                   "snake-store-ahead", "snake-store-host",
+    """The emulated device and its host link, the main thread, then compute-adjacent
+    workers, then the store's pools."""
+    for rank, prefix in enumerate(("device", "link", "MainThread", "snake-adamw",
+                                   "snake-store-read", "snake-store-ahead", "snake-store-host",
                                    "snake-store-write")):
         if name.startswith(prefix):
             return rank, name
-    return 7, name
+    return 8, name
 
 
 _recording: Timeline | None = None

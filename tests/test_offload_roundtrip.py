@@ -337,3 +337,17 @@ def test_deleting_a_borrowed_value_ends_the_loan(tmp_path):
         s.delete("g").wait()
         assert "g" not in s and s.pool.resident == 0
         s.synchronize()
+
+
+def test_a_host_buffer_is_resident_when_it_is_made():
+    """Its pages are faulted in once, when it is made (pinned memory is resident from the
+    start), not by whichever copy or update first writes it."""
+    from megatron_snake.storage.host_heap import resident_bytes
+    from megatron_snake.storage.host_pool import HostBufferPool
+
+    pool = HostBufferPool(256 << 20, buffer_bytes=64 << 20, pin=False)
+    before = resident_bytes()
+    bufs = pool.acquire(2)
+    assert resident_bytes() - before >= 2 * (60 << 20)
+    pool.release(bufs)
+    pool.close()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -129,6 +130,23 @@ def test_clipping_keeps_gradients_on_the_host_tier_when_they_fit(megatron_world,
         store.close()
 
 
+def test_gradients_are_scaled_only_when_the_norm_is_over_the_limit(megatron_world, tmp_path):
+    """As Megatron's clip_grad_by_total_norm_fp32: a coefficient of 1 (the norm within
+    --clip-grad) scales nothing, rather than a pass over every gradient that changes no
+    bit; one below 1 scales them."""
+    model = build_model(tiny_args(), megatron_world)
+    for clip, applied in ((1.0, True), (1e9, False)):
+        store, opt, _, _ = _optimizer_with_gradients(model, tmp_path / str(clip), clip=clip,
+                                                     host_limit=256 * MiB)
+        try:
+            opt.step()
+            assert (opt._clip_coef is not None) == applied, clip
+            assert not applied or float(opt._clip_coef) < 1.0
+        finally:
+            opt.close()
+            store.close()
+
+
 def test_gradient_norms_computed_where_the_gradients_are_equal_torchs(megatron_world,
                                                                       tmp_path):
     model = build_model(tiny_args(), megatron_world)
@@ -187,6 +205,52 @@ def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
                 if ("w", unit, part) in tstore:
                     assert tstore.tiers(("w", unit, part)) == ["nvme"], (unit, part)
         weights.load_all()
+        opt.close()
+
+
+def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatron_world,
+                                                                       tmp_path):
+    """A unit's weights published into host memory are not evicted by their forward read:
+    the backward read finds them there and moves them down (before, every forward read
+    wrote them to the drive and the backward sweep read them back, its reads queued
+    behind those writes, themselves behind the forward sweep's updated state)."""
+    torch.manual_seed(0)
+    model = build_model(tiny_args(), megatron_world)
+    units = GPTUnits(model, 1)
+    params = UnitParams.of(units)
+    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32)
+        events, evict, get = [], tstore.evict, tstore.get
+
+        def spy_evict(key, *args, **kwargs):
+            events.append(("evict", key[1]))
+            return evict(key, *args, **kwargs)
+
+        def spy_get(key, *args, **kwargs):
+            if key[0] == "w":
+                events.append(("read", key[1], tuple(tstore.tiers(key))))
+            return get(key, *args, **kwargs)
+
+        tstore.evict, tstore.get = spy_evict, spy_get
+        for step in range(2):
+            events.clear()
+            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
+                                  weights)
+            vertical_forward_backward(model, make_microbatches(2, seed=step),
+                                      checkpoint_interval=1, store=store)
+            store.inputs.finish_step()
+            opt.step()
+        # step 2: the units of the forward sweep (the loss unit runs only in the backward)
+        forward = range(units.num_units - 1)
+        assert len(forward) >= 2
+        for unit in forward:
+            reads = [i for i, e in enumerate(events) if e[:2] == ("read", unit)]
+            assert len(reads) == 2, (unit, events)
+            assert ("evict", unit) not in events[reads[0] + 1:reads[1]], (unit, events)
+            assert "host" in events[reads[1]][2], (unit, events)   # read from the host copy
+            assert ("evict", unit) in events[reads[1]:], (unit, events)
         opt.close()
 
 
@@ -348,6 +412,44 @@ def test_the_store_waits_for_the_emulated_device_where_a_gpu_run_waits_for_event
         assert torch.equal(buf, src)
 
 
+def test_the_emulated_host_link_carries_the_devices_copies_without_the_cpu(tmp_path):
+    """With a host link, the device's copies to and from host memory (the thread that runs
+    the device puts and gets) take bytes / rate on one engine per direction, in order, and
+    no CPU copy; the workers' host tensors are copied by the CPU and wait for no device
+    work, as on a GPU where they have no event."""
+    rate, n = 40 * MiB, 4 * MiB            # 0.1 s a copy
+    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
+        src, buf = torch.ones(n // 4), torch.empty(n // 4)
+        with emulated_device.emulating(link_bytes_per_s=rate) as device, \
+                timeline.recording() as recorded:
+            t0 = time.perf_counter()
+            puts = [store.put(("act", i), src, tier="host") for i in range(2)]
+            puts.append(store.put("to-drive", src, tier="nvme"))
+            for handle in puts:
+                handle.wait()
+            assert time.perf_counter() - t0 >= 3 * n / rate - 0.01   # one d2h engine
+            store.get(("act", 0), out=buf).wait()
+            store.get("to-drive", out=buf).wait()
+            device.launch(0.5)                 # device work the host's tensors do not wait for
+            host = torch.full((n // 4,), 2.0)
+            t0 = time.perf_counter()
+            worker = ThreadPoolExecutor(1)
+            worker.submit(lambda: store.put("host", host, tier="host").wait()).result()
+            assert time.perf_counter() - t0 < 0.25
+            back = worker.submit(lambda: store.get("host").wait()).result()
+            worker.shutdown()
+            device.synchronize()
+        assert torch.equal(back, host)
+    link = [s for s in recorded.spans if s["cat"] == "link"]
+    assert sorted(s["name"] for s in link) == ["link d2h"] * 3 + ["link h2d"] * 2
+    assert all(s["args"]["bytes"] == n and s["args"]["seconds"] == pytest.approx(n / rate)
+               and s["thread"] == s["name"] for s in link)
+    d2h = sorted((s for s in link if s["name"] == "link d2h"), key=lambda s: s["start"])
+    assert all(a["end"] <= b["start"] + 1e-9 for a, b in zip(d2h, d2h[1:]))
+    copies = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "host copy"]
+    assert copies == [("host write misc", n), ("host read misc", n)]   # the worker's only
+
+
 def _span(name, cat, start, end, **args):
     return {"name": name, "cat": cat, "thread": "t", "start": start, "end": end, "args": args}
 
@@ -360,24 +462,32 @@ def test_the_roofline_is_the_busiest_resource_per_phase_on_a_synthetic_step():
         _span("forward sweep", "sweep", 0.0, 4.0),
         _span("device", "device", 0.1, 1.1, seconds=1.0),          # forward: compute 1 s
         _span("drive read grad", "drive", 0.2, 2.0, bytes=200),     # 2 s
-        _span("drive write optim", "drive", 0.3, 3.0, bytes=100),   # + 2 s = drive 4 s
+        _span("drive write optim", "drive", 0.3, 3.0, bytes=100),   # + 2 s = 4 s at the
+        # probes' rates, but the drive was in flight for 2.8 s: it needed no more
         _span("fused adamw", "cpu adamw", 0.5, 1.0, params=20),     # 2 s
         _span("backward sweep", "sweep", 4.0, 9.0),
         _span("device", "device", 4.0, 7.0, seconds=3.0),           # backward: compute 3 s
+        _span("drive read weights", "drive", 4.0, 6.0, bytes=100),  # 1 s at the probe's rate
         _span("host write ckpt", "host copy", 4.0, 4.5, bytes=500),  # 0.5 s
+        _span("link d2h", "link", 4.0, 6.5, seconds=2.5, bytes=5),   # the busier direction
+        _span("link h2d", "link", 4.0, 6.0, seconds=2.0, bytes=5),   # runs beside it
         _span("fused adamw", "cpu adamw", 5.0, 6.0, params=10),     # 1 s
         _span("optimizer step", "step boundary", 9.0, 10.0),
     ]
     out = bench.roofline(spans, rates)
     assert out["measured_s"] == 10.0
-    assert out["phases"]["forward"]["roofline_s"] == pytest.approx(4.0)   # the drive
+    assert out["phases"]["forward"]["drive"] == pytest.approx(2.8)
+    assert out["phases"]["forward"]["roofline_s"] == pytest.approx(2.8)   # the drive
+    assert out["phases"]["backward"]["drive"] == pytest.approx(1.0)
     assert out["phases"]["backward"]["roofline_s"] == pytest.approx(3.0)  # the device
-    assert out["roofline_s"] == pytest.approx(7.0)
-    assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 4, adamw 3 over the step
+    assert out["phases"]["backward"]["host link"] == pytest.approx(2.5)
+    assert out["phases"]["forward"]["host link"] == 0.0
+    assert out["roofline_s"] == pytest.approx(5.8)
+    assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 3.8, adamw 3 over the step
     # the drive in flight 0.2-3.0 s (the two transfers overlap): 300 bytes in 2.8 s
     assert out["phases"]["forward"]["drive_busy_s"] == pytest.approx(2.8)
     assert out["phases"]["forward"]["drive_GBps_while_busy"] == pytest.approx(300 / 2.8 / 1e9)
-    assert out["phases"]["backward"]["drive_busy_s"] == 0.0
+    assert out["phases"]["backward"]["drive_busy_s"] == pytest.approx(2.0)
 
 
 # --- --snake-trace ----------------------------------------------------------------------

@@ -7,7 +7,11 @@ GPU does (megatron_snake/models/emulated_compute.py, megatron_snake/emulated_dev
 emulated TFLOP/s is a GPU's (``--gpu-tflops``, default 400: an H100 at about 40% of its
 dense bf16 peak, typical of Megatron) scaled by this drive's bandwidth over the GPU's drive
 (``--gpu-drive-gbps``, default 6): compute per unit against drive bytes per unit is then the
-GPU's, on this machine.
+GPU's, on this machine. The device's copies to and from host memory (unit inputs, weights,
+gradients) go over an emulated host link, ``--gpu-link-gbps`` (default 25: what pinned
+copies reach over PCIe Gen4 x16, under half of an H100's Gen5 link) scaled the same way:
+they take the link's time on one copy engine per direction and no CPU, as a GPU's DMA
+does (``--gpu-link-gbps 0``: CPU copies on this machine's cores, as before 2026-11-25).
 
 Each measured step is recorded as a timeline (megatron_snake/timeline.py); it ends when the
 host is done and the device has run what it was given. Per phase of the
@@ -15,9 +19,11 @@ step (the forward sweep; the backward sweep with the step boundary) the roofline
 longest of what the phase asks of each resource:
 - device compute: the device spans' nominal seconds (real compute: the compute spans);
 - the drive: bytes read / read bandwidth + bytes written / write bandwidth, both measured
-  through the store right before and after the step (this disk swings from second to
-  second);
-- host copies: host-tier bytes / this machine's copy bandwidth;
+  through the store right before and after the step, or the time a drive transfer was in
+  flight in the phase when that is shorter (this disk swings from second to second, and
+  a probe on a slow second must not say the drive needed more time than it took);
+- host copies: host-tier bytes the CPU copies / this machine's copy bandwidth;
+- the host link: the busier direction's copies at the emulated link's rate;
 - the CPU optimizer: parameters updated / the fused AdamW's measured rate.
 The step's roofline is the sum over its phases; **roofline ÷ measured** is the overlap
 efficiency (1.0: every phase runs at the speed of its busiest resource). Each phase also
@@ -70,7 +76,7 @@ def phase_work(spans: list[dict], start: float, end: float) -> dict:
     written, host-copy bytes, parameters updated."""
     emulated = any(s["cat"] == "device" for s in spans)
     work = {"compute_s": 0.0, "drive_read": 0, "drive_write": 0, "host_copy": 0,
-            "adamw_params": 0}
+            "adamw_params": 0, "link h2d": 0.0, "link d2h": 0.0}
     for s in spans:
         if not start <= s["start"] < end:
             continue
@@ -83,6 +89,8 @@ def phase_work(spans: list[dict], start: float, end: float) -> dict:
                 s["args"]["bytes"]
         elif s["cat"] == "host copy":
             work["host_copy"] += s["args"]["bytes"]
+        elif s["cat"] == "link":   # the emulated link's nominal seconds, per direction
+            work[s["name"]] += s["args"]["seconds"]
         elif s["cat"] == "cpu adamw":
             work["adamw_params"] += s["args"]["params"]
     return work
@@ -94,6 +102,7 @@ def resource_seconds(work: dict, rates: dict) -> dict:
             "drive": work["drive_read"] / rates["drive_read"]
             + work["drive_write"] / rates["drive_write"],
             "host copy": work["host_copy"] / rates["copy"],
+            "host link": max(work["link h2d"], work["link d2h"]),
             "cpu adamw": work["adamw_params"] / rates["adamw"]}
 
 
@@ -116,6 +125,7 @@ def roofline(spans: list[dict], rates: dict) -> dict:
         # the drive's achieved rate inside the phase, beside the rates probed outside it
         busy = busy_seconds((s["start"], min(s["end"], b)) for s in spans
                             if s["cat"] == "drive" and a <= s["start"] < b)
+        seconds["drive"] = min(seconds["drive"], busy)   # it did the phase's bytes in that
         moved = work["drive_read"] + work["drive_write"]
         phases[name] = {"measured_s": b - a, "roofline_s": max(seconds.values()), **seconds,
                         "drive_busy_s": busy, "drive_GBps_while_busy": moved / busy / 1e9
@@ -139,9 +149,10 @@ def gpt_flags(a, num_mb: int) -> list[str]:
 
 
 def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | None = None,
-            emulate: bool = True) -> dict:
+            emulate: bool = True, link: float | None = None) -> dict:
     """Build the run with ``num_mb`` micro-batches, step it ``a.warmup`` + ``steps``
-    times, and return each measured step's roofline (median ratio too)."""
+    times, and return each measured step's roofline (median ratio too). ``link``: the
+    emulated host link's bytes/s (None: CPU copies)."""
     args = parse_args(gpt_flags(a, num_mb))
     rows, recorded = [], None
     with build_run(args, device, a.vocab, log=lambda _: None) as run:
@@ -158,7 +169,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             before = drive_rates(store)
             with timeline.recording() as recorded:
                 if emulate:
-                    with emulate_compute(run.offloaded.units, tflops) as clock:
+                    with emulate_compute(run.offloaded.units, tflops, link) as clock:
                         run.step(mbs)
                         clock.synchronize()
                 else:
@@ -182,15 +193,16 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
     ratios = [r["roofline_s"] / r["measured_s"] for r in rows]
     bounds = [r["bound_s"] / r["measured_s"] for r in rows]
     return {"micro_batches": num_mb, "tokens_per_step": num_mb * a.micro_batch_size * a.seq,
-            "emulated_tflops": tflops if emulate else None, "steps": rows,
+            "emulated_tflops": tflops if emulate else None,
+            "emulated_link_GBps": link / 1e9 if emulate and link else None, "steps": rows,
             "roofline_over_measured": statistics.median(ratios),
             "bound_over_measured": statistics.median(bounds)}
 
 
-def saturating_microbatches(a, tflops: float, device) -> tuple[int, dict]:
+def saturating_microbatches(a, tflops: float, link: float | None, device) -> tuple[int, dict]:
     """Micro-batches at which a step's compute equals its drive time, from one probe
     step: compute grows with the micro-batches, the state's drive traffic does not."""
-    probe = measure(a, a.probe_microbatches, tflops, device, steps=1)
+    probe = measure(a, a.probe_microbatches, tflops, device, steps=1, link=link)
     total = probe["steps"][0]["total"]
     per_mb = total["compute"] / a.probe_microbatches
     return max(2, round(total["drive"] / per_mb)), probe
@@ -213,6 +225,9 @@ def main(argv=None) -> int:
                    help="use this rate instead of scaling --gpu-tflops by this drive (to "
                         "compare two runs at the same device speed)")
     p.add_argument("--gpu-drive-gbps", type=float, default=6.0)
+    p.add_argument("--gpu-link-gbps", type=float, default=25.0,
+                   help="the GPU's host link per direction, scaled like --gpu-tflops (0: the "
+                        "device's copies are CPU copies on this machine)")
     p.add_argument("--probe-microbatches", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=0,
                    help="run only this many micro-batches (default: the saturating number, "
@@ -237,18 +252,20 @@ def main(argv=None) -> int:
         rates = [drive_rates(run.tensor_store) for _ in range(3)]
     drive_gbps = statistics.median(2 / (1 / r["read"] + 1 / r["write"]) for r in rates) / 1e9
     tflops = a.emulated_tflops or a.gpu_tflops * drive_gbps / a.gpu_drive_gbps
+    link = a.gpu_link_gbps * 1e9 * drive_gbps / a.gpu_drive_gbps or None
     print(f"drive here {drive_gbps:.2f} GB/s (read/write harmonic mean): emulated device "
-          f"{tflops:.1f} TFLOP/s = {a.gpu_tflops:g} x {drive_gbps:.2f} / {a.gpu_drive_gbps:g}",
-          flush=True)
+          f"{tflops:.1f} TFLOP/s = {a.gpu_tflops:g} x {drive_gbps:.2f} / {a.gpu_drive_gbps:g}, "
+          + (f"host link {link / 1e9:.2f} GB/s = {a.gpu_link_gbps:g} x {drive_gbps:.2f} / "
+             f"{a.gpu_drive_gbps:g}" if link else "host link: CPU copies"), flush=True)
     if a.micro_batches:
         saturating, probe, batches = a.micro_batches, None, (a.micro_batches,)
     else:
-        saturating, probe = saturating_microbatches(a, tflops, device)
+        saturating, probe = saturating_microbatches(a, tflops, link, device)
         batches = (saturating, max(1, saturating // 2))
     results = {"config": vars(a), "drive_GBps": drive_gbps, "emulated_tflops": tflops,
-               "probe": probe, "runs": []}
+               "emulated_link_GBps": link / 1e9 if link else None, "probe": probe, "runs": []}
     for num_mb in batches:
-        out = measure(a, num_mb, tflops, device, steps=a.steps,
+        out = measure(a, num_mb, tflops, device, steps=a.steps, link=link,
                       trace=a.trace if num_mb == saturating else None)
         results["runs"].append(out)
         step = out["steps"][-1]
@@ -256,7 +273,8 @@ def main(argv=None) -> int:
               f"{step['measured_s']:.2f} s, roofline {step['roofline_s']:.2f} s, step-wide "
               f"bound {step['bound_s']:.2f} s; per phase " + "; ".join(
                   f"{name} {ph['measured_s']:.2f} s (compute {ph['compute']:.2f}, drive "
-                  f"{ph['drive']:.2f}, copy {ph['host copy']:.2f}, adamw {ph['cpu adamw']:.2f}; "
+                  f"{ph['drive']:.2f}, copy {ph['host copy']:.2f}, link {ph['host link']:.2f}, "
+                  f"adamw {ph['cpu adamw']:.2f}; "
                   f"drive busy {ph['drive_busy_s']:.2f} s at "
                   f"{ph['drive_GBps_while_busy'] or 0:.2f} GB/s)"
                   for name, ph in step["phases"].items()), flush=True)

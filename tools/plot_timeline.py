@@ -28,7 +28,7 @@ import sys
 COLOURS = {
     "compute": "tab:blue", "device": "navy", "drive": "tab:orange", "wait": "tab:red",
     "sweep": "lightsteelblue", "step": "gainsboro", "step boundary": "dimgray",
-    "weights": "tab:cyan", "store": "tab:olive", "host copy": "gold",
+    "weights": "tab:cyan", "store": "tab:olive", "host copy": "gold", "link": "darkkhaki",
     "optimizer": "tab:green", "cpu adamw": "tab:purple", "collective": "tab:pink",
 }
 OTHER_COLOUR = "tab:brown"

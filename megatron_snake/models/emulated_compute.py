@@ -76,12 +76,13 @@ def _launch(clock, seconds: float) -> None:
 
 
 @contextmanager
-def emulate_compute(units: GPTUnits, tflops: float):
+def emulate_compute(units: GPTUnits, tflops: float, link_bytes_per_s: float | None = None):
     """Within the block, ``units.forward_unit`` queues what a ``tflops`` device would take on
     the emulated device's clock instead of computing (the block runs
-    ``emulated_device.emulating()``; yields the clock). The vertical schedule's forward
-    sweep then queues one forward per (unit, micro-batch) and its backward sweep a
-    recompute and a backward (three), as the device would."""
+    ``emulated_device.emulating(link_bytes_per_s)``; yields the clock; with a link rate the
+    copies between the device and host memory are a host link's, not CPU copies). The
+    vertical schedule's forward sweep then queues one forward per (unit, micro-batch) and
+    its backward sweep a recompute and a backward (three), as the device would."""
     if tflops <= 0:
         raise ValueError(f"emulated TFLOP/s must be > 0, got {tflops}")
     dtype = units.config.params_dtype
@@ -104,7 +105,7 @@ def emulate_compute(units: GPTUnits, tflops: float):
             return out[..., 0].float().t().contiguous()
         return out
 
-    with emulated_device.emulating() as clock:
+    with emulated_device.emulating(link_bytes_per_s) as clock:
         units.forward_unit = forward_unit   # an instance attribute shadows the method
         try:
             yield clock

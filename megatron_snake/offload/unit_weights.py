@@ -124,8 +124,8 @@ class OffloadedUnits(UnitStore):
         """The optimizer's callback (on its worker): new working weights for one part, from
         its fp32 master weights (consecutive 1-D pieces, read only during the call).
         ``soon``: the unit is read next (a deferred update runs one unit ahead), so a unit
-        whose weights live on the drive keeps them in host memory when it has room; the
-        read then evicts them to the drive (``acquire_unit``)."""
+        whose weights live on the drive keeps them in host memory when it has room, until
+        the backward sweep's read evicts them to the drive (``acquire_unit``)."""
         weights = torch.empty(sum(p.numel() for p in master), dtype=self.dtype)
         start = 0
         for piece in master:
@@ -164,7 +164,12 @@ class OffloadedUnits(UnitStore):
             self._refresh_shared()
         lay = self.params.units[unit]
         flat = self._read_flat(lay)
-        if self.tier_of(unit) == "nvme":  # drop a prefetch's host copies: the pool is bounded
+        # Weights in host memory (published there by their update, or read ahead, when the
+        # pool had room) stay there from the forward read to the backward read, which moves
+        # them down: the drive writes them once a step and never reads them back, and the
+        # backward sweep's reads do not queue behind a write that waits for the forward
+        # sweep's updated state. The backward read drops them (the pool is bounded).
+        if self.tier_of(unit) == "nvme" and for_backward:
             for part in PARTS:
                 if ("w", unit, part) in self.store:
                     self.store.evict(("w", unit, part), tier="nvme")

@@ -357,7 +357,10 @@ class OffloadedAdamW(HostAdamW):
         total = total.to("cpu")   # the step's one read of the device (its norms)
         self._clip_coef = None
         if self.clip_grad > 0:
-            self._clip_coef = clip_coefficient(self.clip_grad, total)
+            # as Megatron's clip_grad_by_total_norm_fp32: scaled only by a coefficient below
+            # 1 (times 1 changes no bit, and costs a pass over every gradient on the CPU)
+            coef = clip_coefficient(self.clip_grad, total)
+            self._clip_coef = coef if float(coef) < 1.0 else None
         self.iteration += 1
         self._hyper, self._norms = None, {}
         self._stop_read_ahead()

@@ -45,6 +45,11 @@ class HostBuffer:
         self._base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
         if self._base is None or self._base.data_ptr() % PAGE:
             self._base = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+        if not pin:
+            # resident from the start, as pinned memory is: the first copy or update into a
+            # buffer does not also fault its pages in (about 60 ms per 37 MB here), which
+            # would land on whatever work happens to use the buffer first
+            self._base.zero_()
         skip = (-self._base.data_ptr()) % PAGE
         self.tensor = self._base[skip:skip + nbytes]
         self.addr = self.tensor.data_ptr()

@@ -431,7 +431,8 @@ class TensorStore:
                 fut = self._readers.submit(self._run_forward, source, e.ready, free, dst,
                                            result)
             else:
-                fut = self._readers.submit(self._run_get, e, e.last, free, dst, result)
+                fut = self._readers.submit(self._run_get, e, e.last, free, dst, result,
+                                           emulated_device.device_side())
                 e.last = _completion(fut)   # later operations wait for it, without
                 # holding the tensor it returns (the caller's, freed when the caller drops it)
         return Handle(fut, self)
@@ -631,13 +632,13 @@ class TensorStore:
 
     def _record_ready(self, tensor):
         """An event after the work queued so far on ``tensor``'s stream (the caller's); on
-        the emulated device of a benchmark, the point on its clock (emulated_device.py)."""
+        the emulated device of a benchmark, the point on its clock when ``tensor`` is the
+        device's (emulated_device.py)."""
         if tensor.is_cuda:
             ev = _host_event()
             ev.record(torch.cuda.current_stream(tensor.device))
             return ev
-        clock = emulated_device.active()
-        return clock.event() if clock is not None else None
+        return emulated_device.active().event() if emulated_device.device_side() else None
 
     def _new_dest(self, e, device, dtype, out):
         """The tensor the bytes land in: out itself when it is contiguous with the stored
@@ -670,6 +671,21 @@ class TensorStore:
     def _payload(buf, n):
         """The first n payload bytes of a host buffer (after its record header)."""
         return buf.tensor[REC_HEADER_BYTES:REC_HEADER_BYTES + n]
+
+    def _across(self, pairs, direction: str, device_side: bool, span: str | None = None):
+        """dst <- src for ``pairs``, a copy between host memory and the compute device when
+        ``device_side``: on the emulated device's host link when it has one (its time, no
+        CPU: emulated_device.link_copy), else on the copy stream of ``direction`` ("h2d",
+        "d2h"). ``span``: the timeline's name for the copy when this machine makes it."""
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        on_link = emulated_device.link_copy(nbytes, direction) if device_side else None
+        if on_link is not None:
+            timeline.record(f"link {direction}", "link", *on_link, thread=f"link {direction}",
+                            bytes=nbytes, seconds=on_link[1] - on_link[0])
+            return
+        stream = self._h2d if direction == "h2d" else self._d2h
+        with timeline.span(span, "host copy", bytes=nbytes) if span else contextlib.nullcontext():
+            _copy(stream, pairs)
 
     def _contiguous_source(self, tensor, ready):
         if ready is not None:
@@ -705,21 +721,21 @@ class TensorStore:
             self.counters.add_spilled()
         return bufs
 
-    def _write_host(self, e, src_bytes, room=None):
+    def _write_host(self, e, src_bytes, room=None, from_device=False):
         """Copy e to host buffers (``room``: as ``_host_buffers``). False when it was not
         written (no room)."""
         segs = self._segments(e.nbytes)
         bufs = self._host_buffers(e, segs, room)
         if bufs is None:
             return False
-        with timeline.span(f"host write {e.kind}", "host copy", bytes=e.nbytes):
-            self._write_host_buffers(e, src_bytes, segs, bufs)
+        self._write_host_buffers(e, src_bytes, segs, bufs, from_device)
         return True
 
-    def _write_host_buffers(self, e, src_bytes, segs, bufs):
+    def _write_host_buffers(self, e, src_bytes, segs, bufs, from_device=False):
         try:
-            _copy(self._d2h, [(self._payload(buf, b - a), src_bytes[a:b])
-                              for buf, (_, a, b) in zip(bufs, segs)])
+            self._across([(self._payload(buf, b - a), src_bytes[a:b])
+                          for buf, (_, a, b) in zip(bufs, segs)], "d2h", from_device,
+                         span=f"host write {e.kind}")
         except BaseException:
             self.pool.release(bufs, resident=True)
             raise
@@ -730,12 +746,12 @@ class TensorStore:
         crc = self.checksum(buf.addr + REC_HEADER_BYTES, n)
         write_record_header(buf.addr, self.run_id, e.khash, e.seq, seg, n, crc)
 
-    def _write_nvme(self, e, src_bytes=None):
+    def _write_nvme(self, e, src_bytes=None, from_device=False):
         """Write e to its swap file, from src_bytes (staging buffers) or from e.host."""
         with timeline.span(f"drive write {e.kind}", "drive", bytes=e.nbytes):
-            self._write_nvme_records(e, src_bytes)
+            self._write_nvme_records(e, src_bytes, from_device)
 
-    def _write_nvme_records(self, e, src_bytes):
+    def _write_nvme_records(self, e, src_bytes, from_device):
         f = self._file(e.kind)
         segs = self._segments(e.nbytes)
         extents, pending = [], []      # pending: (request, buffer or None)
@@ -749,7 +765,7 @@ class TensorStore:
                         self._seal(e, buf, seg, n)
                 else:
                     buf = loose = self._staging(pending)
-                    _copy(self._d2h, [(self._payload(buf, n), src_bytes[a:b])])
+                    self._across([(self._payload(buf, n), src_bytes[a:b])], "d2h", from_device)
                     self._seal(e, buf, seg, n)
                 off, length = f.allocate(REC_HEADER_BYTES + n)
                 extents.append((off, length))
@@ -859,13 +875,14 @@ class TensorStore:
 
     # ---------------------------------------------------------------- readers
 
-    def _read_nvme(self, e, dst_bytes=None, into_host=None):
-        """Read e's records; verify each; copy payloads to dst_bytes or keep them in the
-        given host buffers (into_host: list of buffers, one per segment)."""
+    def _read_nvme(self, e, dst_bytes=None, into_host=None, to_device=False):
+        """Read e's records; verify each; copy payloads to dst_bytes (``to_device``: the
+        compute device's) or keep them in the given host buffers (into_host: list of
+        buffers, one per segment)."""
         with timeline.span(f"drive read {e.kind}", "drive", bytes=e.nbytes):
-            self._read_nvme_records(e, dst_bytes, into_host)
+            self._read_nvme_records(e, dst_bytes, into_host, to_device)
 
-    def _read_nvme_records(self, e, dst_bytes, into_host):
+    def _read_nvme_records(self, e, dst_bytes, into_host, to_device):
         f = self._files[e.kind]
         segs = self._segments(e.nbytes)
         pending = []   # (request, staging buffer or None, seg, a, b, host buffer)
@@ -885,7 +902,8 @@ class TensorStore:
                 verify_record(target.addr, self.run_id, e.khash, e.seq, seg, b - a,
                               self.checksum, e.key, f.path)
                 if hbuf is None:
-                    _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))])
+                    self._across([(dst_bytes[a:b], self._payload(buf, b - a))], "h2d",
+                                 to_device)
             finally:
                 self.counters.inflight(-1)
                 if buf is not None:
@@ -919,8 +937,9 @@ class TensorStore:
             raise
         self.counters.add("nvme", nread=e.nbytes, requests=len(segs), kind=e.kind)
 
-    def _read_into(self, e, dst):
-        """Fill the contiguous tensor dst (stored dtype/shape) from the fastest tier."""
+    def _read_into(self, e, dst, to_device=False):
+        """Fill the contiguous tensor dst (stored dtype/shape) from the fastest tier
+        (``to_device``: dst is the compute device's)."""
         if e.nbytes == 0:
             return
         if e.gpu is not None:
@@ -929,9 +948,9 @@ class TensorStore:
             return
         dst_bytes = _as_bytes(dst)
         if e.host is not None:
-            with timeline.span(f"host read {e.kind}", "host copy", bytes=e.nbytes):
-                _copy(self._h2d, [(dst_bytes[a:b], self._payload(buf, b - a))
-                                  for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))])
+            self._across([(dst_bytes[a:b], self._payload(buf, b - a))
+                          for buf, (_, a, b) in zip(e.host, self._segments(e.nbytes))],
+                         "h2d", to_device, span=f"host read {e.kind}")
             self.counters.add("host", nread=e.nbytes, kind=e.kind)
             return
         if e.nvme is not None and e.gds:
@@ -944,7 +963,7 @@ class TensorStore:
                 _copy(self._h2d, [(dst_bytes, tmp)])
             return
         if e.nvme is not None:
-            self._read_nvme(e, dst_bytes=dst_bytes)
+            self._read_nvme(e, dst_bytes=dst_bytes, to_device=to_device)
             return
         raise KeyError(f"key {e.key!r} has no copy on any tier (deleted?)")
 
@@ -978,6 +997,8 @@ class TensorStore:
             if old is not None:
                 self._free_entry(old)
             src = self._contiguous_source(tensor, ready)
+            # the emulated device's tensors are the ones put with an event on its clock
+            from_device = isinstance(ready, emulated_device.ClockEvent)
             if tier == "gpu":
                 self._write_gpu(e, src)
                 return
@@ -988,13 +1009,14 @@ class TensorStore:
                     e.nvme = []
                 return
             if tier == "host":
-                written = self._write_host(e, _as_bytes(src), room=room)
+                written = self._write_host(e, _as_bytes(src), room=room,
+                                           from_device=from_device)
                 if written:
                     return   # else it may spill (room given) and there was none: the drive
             if self.gds is not None and src.is_cuda:
                 self._write_nvme_gds(e, _as_bytes(src))
             else:
-                self._write_nvme(e, src_bytes=_as_bytes(src))
+                self._write_nvme(e, src_bytes=_as_bytes(src), from_device=from_device)
         finally:
             e.source = e.ready = None
 
@@ -1004,11 +1026,11 @@ class TensorStore:
         _copy(self._h2d, [(dst, source)])
         return self._finish(dst, result)
 
-    def _run_get(self, e, prev, free, dst, result):
+    def _run_get(self, e, prev, free, dst, result, to_device):
         with timeline.span(f"get {e.kind}", "store", bytes=e.nbytes):
-            return self._get(e, prev, free, dst, result)
+            return self._get(e, prev, free, dst, result, to_device)
 
-    def _get(self, e, prev, free, dst, result):
+    def _get(self, e, prev, free, dst, result, to_device):
         self._wait_prev(prev)
         if e.gds and e.gpu is None and e.host is None and dst.is_cuda:
             # kvikio writes into dst outside any stream's order: wait here, on the host,
@@ -1016,7 +1038,7 @@ class TensorStore:
             _wait_for(None, free)
         else:
             _wait_for(self._h2d, free)
-        self._read_into(e, dst)
+        self._read_into(e, dst, to_device)
         return self._finish(dst, result)
 
     def _run_prefetch(self, e, prev, tier, room=None):
