@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -208,12 +209,10 @@ def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
         opt.close()
 
 
-def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatron_world,
-                                                                       tmp_path):
-    """A unit's weights published into host memory are not evicted by their forward read:
-    the backward read finds them there and moves them down (before, every forward read
-    wrote them to the drive and the backward sweep read them back, its reads queued
-    behind those writes, themselves behind the forward sweep's updated state)."""
+@contextmanager
+def _clipped_training(megatron_world, tmp_path):
+    """A tiny GPT, one layer a unit, its weights and its clipped AdamW's state on the drive:
+    (model, units, params, tensor store, optimizer, weights)."""
     torch.manual_seed(0)
     model = build_model(tiny_args(), megatron_world)
     units = GPTUnits(model, 1)
@@ -222,6 +221,35 @@ def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatro
         opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
                                  dtype=torch.float32)
+        try:
+            yield model, units, params, tstore, opt, weights
+        finally:
+            opt.close()
+
+
+def _two_steps(model, tstore, weights, opt, events: list, optimizer_after=(0, 1)) -> None:
+    """Two steps of the vertical schedule over ``weights`` (``events`` cleared before each,
+    so it keeps the second's), the optimizer stepped after the steps in
+    ``optimizer_after``."""
+    for step in range(2):
+        events.clear()
+        store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
+                              weights)
+        vertical_forward_backward(model, make_microbatches(2, seed=step),
+                                  checkpoint_interval=1, store=store)
+        store.inputs.finish_step()
+        if step in optimizer_after:
+            opt.step()
+
+
+def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatron_world,
+                                                                       tmp_path):
+    """A unit's weights published into host memory are not evicted by their forward read:
+    the backward read finds them there and moves them down (before, every forward read
+    wrote them to the drive and the backward sweep read them back, its reads queued
+    behind those writes, themselves behind the forward sweep's updated state)."""
+    with _clipped_training(megatron_world, tmp_path) as (model, units, params, tstore, opt,
+                                                         weights):
         events, evict, get = [], tstore.evict, tstore.get
 
         def spy_evict(key, *args, **kwargs):
@@ -234,14 +262,7 @@ def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatro
             return get(key, *args, **kwargs)
 
         tstore.evict, tstore.get = spy_evict, spy_get
-        for step in range(2):
-            events.clear()
-            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
-                                  weights)
-            vertical_forward_backward(model, make_microbatches(2, seed=step),
-                                      checkpoint_interval=1, store=store)
-            store.inputs.finish_step()
-            opt.step()
+        _two_steps(model, tstore, weights, opt, events, optimizer_after=(0, 1))
         # step 2: the units of the forward sweep (the loss unit runs only in the backward)
         forward = range(units.num_units - 1)
         assert len(forward) >= 2
@@ -251,7 +272,6 @@ def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatro
             assert ("evict", unit) not in events[reads[0] + 1:reads[1]], (unit, events)
             assert "host" in events[reads[1]][2], (unit, events)   # read from the host copy
             assert ("evict", unit) in events[reads[1]:], (unit, events)
-        opt.close()
 
 
 def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weights(
@@ -259,14 +279,8 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
     """The optimizer worker goes from one unit's update to the next while the main thread
     reads the unit's weights: unit u+1's update is queued before unit u's weights are read
     (before, it was queued after, so the updates and the reads took turns)."""
-    torch.manual_seed(0)
-    model = build_model(tiny_args(), megatron_world)
-    units = GPTUnits(model, 1)
-    params = UnitParams.of(units)
-    with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
-        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
-        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
-                                 dtype=torch.float32)
+    with _clipped_training(megatron_world, tmp_path) as (model, units, params, tstore, opt,
+                                                         weights):
         events, start_update, get = [], opt.start_update, tstore.get
 
         def spy_start(key, soon=False):
@@ -280,15 +294,7 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
             return get(key, *args, **kwargs)
 
         opt.start_update, tstore.get = spy_start, spy_get
-        for step in range(2):
-            events.clear()
-            store = CombinedStore(OffloadedUnitInputs(tstore, "nvme", 2, torch.device("cpu")),
-                                  weights)
-            vertical_forward_backward(model, make_microbatches(2, seed=step),
-                                      checkpoint_interval=1, store=store)
-            store.inputs.finish_step()
-            if step == 0:
-                opt.step()
+        _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
         # step 2's forward sweep applied step 1's updates (clipping: all deferred)
         forward = [unit for unit in range(units.num_units - 1)]
         assert len(forward) >= 2
@@ -296,7 +302,6 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
             read = events.index(("read", unit))
             for lay in params.layouts_owned_by(unit + 1):
                 assert events.index(("update", lay.key)) < read, (unit, events)
-        opt.close()
 
 
 def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(megatron_world,
