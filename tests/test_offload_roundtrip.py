@@ -2,6 +2,7 @@
 and odd-sized tensors, through every tier path, with every engine (native io_uring, native
 thread pool, pure-Python fallback). CPU only: the `gpu` tier is the compute device (CPU)."""
 
+import os
 import threading
 import warnings
 
@@ -342,12 +343,18 @@ def test_deleting_a_borrowed_value_ends_the_loan(tmp_path):
 def test_a_host_buffer_is_resident_when_it_is_made():
     """Its pages are faulted in once, when it is made (pinned memory is resident from the
     start), not by whichever copy or update first writes it."""
-    from megatron_snake.storage.host_heap import resident_bytes
+    import ctypes
+
     from megatron_snake.storage.host_pool import HostBufferPool
 
+    libc = ctypes.CDLL(None, use_errno=True)
     pool = HostBufferPool(256 << 20, buffer_bytes=64 << 20, pin=False)
-    before = resident_bytes()
     bufs = pool.acquire(2)
-    assert resident_bytes() - before >= 2 * (60 << 20)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for buf in bufs:    # mincore: one byte a page, bit 0 set where the page is in memory
+        pages = (ctypes.c_ubyte * (buf.nbytes // page))()
+        assert libc.mincore(ctypes.c_void_p(buf.addr), ctypes.c_size_t(buf.nbytes),
+                            pages) == 0, os.strerror(ctypes.get_errno())
+        assert all(p & 1 for p in pages)
     pool.release(bufs)
     pool.close()
