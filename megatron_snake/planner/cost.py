@@ -180,17 +180,6 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
     f = 1.0 if w.update_in_forward else w.alpha              # updated in the forward sweep
     fwd, bwd = Traffic(), Traffic()
 
-    # working weights: read in both sweeps of every group; an update writes its part once.
-    # The forward sweep's updates publish into host memory, where the first group's read
-    # finds them, and are written to the drive after it.
-    bwd_weights = groups * (weights - _share(turn, dp) * e - shared * e)
-    fwd.add("weights", w.param_tier, read=groups * weights - f * weights, written=f * weights)
-    if w.param_tier == "nvme":
-        fwd.add("weights", "host", read=f * weights, written=f * weights)
-    bwd.add("weights", w.param_tier, read=bwd_weights, written=(1 - f) * weights)
-    fwd.copy += groups * weights
-    bwd.copy += bwd_weights
-
     # gradients: off the device in the backward sweep, read by their update; host while the
     # pool has room beside the planned records, else the optimizer's tier
     grads = numel * GRAD_BYTES
@@ -205,6 +194,26 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
     # the weights on the drive, two units' weights for the weights read next stay free
     reserve = 0 if w.param_tier == "host" else 2 * _buffers(max(shares) * e, w)
     room = pool - staging - host_tiers - host_ckpts - reserve
+    # working weights: read in both sweeps of every group; an update writes its part once.
+    # The forward sweep's updates publish into host memory, where the first group's read
+    # finds them. On the drive's tier, what a forward read found or read into host memory
+    # stays there for the backward read (when the pool has room for the stage's weights
+    # beside what is kept free), which moves it down: the backward sweep then reads none
+    # from the drive, and the published part is written in the backward sweep.
+    kept = w.param_tier == "nvme" and _buffers(weights, w) <= room
+    bwd_weights = groups * (weights - _share(turn, dp) * e - shared * e)
+    published = f * weights
+    fwd.add("weights", w.param_tier, read=groups * weights - published,
+            written=0 if kept else published)
+    if w.param_tier == "nvme":
+        fwd.add("weights", "host", read=published, written=published)
+    bwd.add("weights", w.param_tier, read=0 if kept else bwd_weights,
+            written=(1 - f) * weights + (published if kept else 0))
+    if kept:
+        bwd.add("weights", "host", read=bwd_weights)
+    fwd.copy += groups * weights
+    bwd.copy += bwd_weights
+
     grad_tier = "host" if w.optimizer_tier == "host" or \
         _buffers(f * grads, w) + _buffers(max(shares) * GRAD_BYTES, w) <= room else "nvme"
     bwd.add("grad", grad_tier, written=grads, read=(1 - f) * grads)
