@@ -96,6 +96,11 @@ def device_side() -> bool:
     return _active is not None and threading.current_thread() is _device_thread
 
 
+def has_link() -> bool:
+    """Whether the device's copies to and from host memory are an emulated host link's."""
+    return _link is not None
+
+
 def link_copy(nbytes: int, direction: str) -> tuple[float, float] | None:
     """A copy of ``nbytes`` between the device and host memory (``direction`` "h2d" or
     "d2h") on the emulated host link: queued on that direction's engine, and the caller

@@ -310,18 +310,49 @@ def test_a_value_borrowed_from_host_is_changed_in_place_and_given_back_to_the_dr
             s.give_back("m")
 
 
-def test_a_value_not_on_host_is_lent_as_a_copy_cut_like_a_host_record(tmp_path):
-    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_value_on_the_drive_is_read_into_host_buffers_and_lent_there(tmp_path, engine,
+                                                                       monkeypatch):
+    """With room in the pool, a borrow of a record on the drive reads it into host buffers
+    as a prefetch would, lends their own bytes and writes them back: no copy either way."""
+    import megatron_snake.storage.store as store_module
+
+    copies = []
+    real_copy = store_module._copy
+    monkeypatch.setattr(store_module, "_copy",
+                        lambda stream, pairs: (copies.append(pairs), real_copy(stream, pairs)))
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF,
+                     engine=engine) as s:
         t = torch.randn(40000)
         s.put("m", t, tier="nvme").wait()
+        copies.clear()
+        pieces = s.borrow("m").wait()
+        spans = _host_addresses(s, "m")
+        assert len(pieces) == 3
+        for p in pieces:
+            assert any(a <= p.data_ptr() < b for a, b in spans)
+            p.mul_(3)
+        s.give_back("m", tier="nvme").wait()
+        assert copies == [] and s.pool.resident == 0 and s.tiers("m") == ["nvme"]
+        assert torch.equal(s.get("m").wait(), t * 3)   # the new value, verified
+
+
+def test_a_value_not_on_host_is_lent_as_a_copy_when_the_pool_has_no_room(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        t = torch.randn(40000)                       # three buffers
+        s.put("m", t, tier="nvme").wait()
         s.put("h", t, tier="host").wait()
+        s.put("fill", torch.randn(9 * 16000), tier="host").wait()   # 12 of 16 taken
+        taken = s.pool.resident
         on_drive, on_host = s.borrow("m").wait(), s.borrow("h").wait()
+        assert s.pool.resident == taken              # not read into host buffers: a copy
         # the same cut, so two records of one size pair up element by element
         assert [p.numel() for p in on_drive] == [p.numel() for p in on_host]
         for p in on_drive:
             p.add_(1)
         for p in on_host:
             p.sub_(1)
+        s.delete("fill").wait()
         s.give_back("m", tier="host").wait()
         s.give_back("h", tier="host").wait()         # kept in place
         assert s.tiers("m") == ["host"] and s.tiers("h") == ["host"]

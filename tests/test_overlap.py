@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -453,6 +454,34 @@ def test_the_emulated_host_link_carries_the_devices_copies_without_the_cpu(tmp_p
     assert all(a["end"] <= b["start"] + 1e-9 for a, b in zip(d2h, d2h[1:]))
     copies = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "host copy"]
     assert copies == [("host write misc", n), ("host read misc", n)]   # the worker's only
+
+
+def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_path,
+                                                                          monkeypatch):
+    """A device get served from a worker's put that is still writing (forwarding, as of
+    weights just published) is a copy over the host link, as on a GPU's copy stream, not
+    a CPU copy on the thread that runs the device."""
+    rate, n = 40 * MiB, 4 * MiB
+    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
+        release = threading.Event()
+        contiguous_source = store._contiguous_source
+
+        def held(tensor, ready):      # the put is still writing while the device reads
+            release.wait(5)
+            return contiguous_source(tensor, ready)
+
+        monkeypatch.setattr(store, "_contiguous_source", held)
+        host = torch.full((n // 4,), 2.0)
+        with emulated_device.emulating(link_bytes_per_s=rate), \
+                timeline.recording() as recorded:
+            worker = ThreadPoolExecutor(1)
+            put = worker.submit(lambda: store.put("w", host, tier="nvme")).result()
+            store.get("w").wait()
+            release.set()
+            put.wait()
+            worker.shutdown()
+    link = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
+    assert link == [("link h2d", n)]
 
 
 def _span(name, cat, start, end, **args):

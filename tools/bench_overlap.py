@@ -48,6 +48,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
@@ -167,6 +168,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             mbs = random_microbatches(num_mb, a.micro_batch_size, a.seq, a.vocab, seed=step,
                                       device=device)
             before = drive_rates(store)
+            cpu_start = time.process_time()
             with timeline.recording() as recorded:
                 if emulate:
                     with emulate_compute(run.offloaded.units, tflops, link) as clock:
@@ -179,13 +181,16 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
                 # measured idle
                 run.optimizer.wait_running()
                 store.synchronize()
+            # all of the process's threads: what the step takes from the cores the drive's
+            # I/O shares (on this VM the drive slows beside busy cores)
+            cpu_s = time.process_time() - cpu_start
             after = drive_rates(store)
             if step < a.warmup:
                 continue
             rates = dict(fixed, drive_read=(before["read"] + after["read"]) / 2,
                          drive_write=(before["write"] + after["write"]) / 2)
             row = roofline(recorded.spans, rates)
-            row["rates"] = rates
+            row["rates"], row["cpu_s"] = rates, cpu_s
             rows.append(row)
         if trace and recorded is not None:
             with open(trace, "w") as f:
@@ -195,6 +200,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
     return {"micro_batches": num_mb, "tokens_per_step": num_mb * a.micro_batch_size * a.seq,
             "emulated_tflops": tflops if emulate else None,
             "emulated_link_GBps": link / 1e9 if emulate and link else None, "steps": rows,
+            "cpu_s_per_step": statistics.median(r["cpu_s"] for r in rows),
             "roofline_over_measured": statistics.median(ratios),
             "bound_over_measured": statistics.median(bounds)}
 
@@ -277,7 +283,8 @@ def main(argv=None) -> int:
                   f"adamw {ph['cpu adamw']:.2f}; "
                   f"drive busy {ph['drive_busy_s']:.2f} s at "
                   f"{ph['drive_GBps_while_busy'] or 0:.2f} GB/s)"
-                  for name, ph in step["phases"].items()), flush=True)
+                  for name, ph in step["phases"].items())
+              + f"; host CPU {out['cpu_s_per_step']:.2f} s a step (median)", flush=True)
     if a.real_microbatches:
         results["real_compute"] = measure(a, a.real_microbatches, 0.0, device, steps=a.steps,
                                           emulate=False)

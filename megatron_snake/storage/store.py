@@ -422,14 +422,19 @@ class TensorStore:
             # out belongs to the caller's stream: our copy stream waits for the work queued
             # there, then fills it; buffers of our own (or a new_out) are new
             free = self._record_ready(dst) if out is not None and not new_out else None
-            # One read of e.source: the put's worker clears it without taking our lock.
+            # One read of e.ready, then of e.source: the put's worker clears source, then
+            # ready, without taking our lock.
+            ready = e.ready
             source = e.source
-            if source is not None and not (source.is_cuda or dst.is_cuda):
+            # the emulated device reading a worker's host tensor: a copy over its host link
+            over_link = emulated_device.has_link() and emulated_device.device_side() and \
+                not isinstance(ready, emulated_device.ClockEvent)
+            if source is not None and not (source.is_cuda or dst.is_cuda or over_link):
                 # forwarding: the put is still writing; serve it from memory right now
                 return Handle(_Done(self._run_forward(source, None, None, dst, result)), self)
-            if source is not None:           # forwarding, CUDA: on the copy stream
-                fut = self._readers.submit(self._run_forward, source, e.ready, free, dst,
-                                           result)
+            if source is not None:           # forwarding, CUDA or the link: a copy stream's
+                fut = self._readers.submit(self._run_forward, source, ready, free, dst,
+                                           result, over_link)
             else:
                 fut = self._readers.submit(self._run_get, e, e.last, free, dst, result,
                                            emulated_device.device_side())
@@ -1020,10 +1025,10 @@ class TensorStore:
         finally:
             e.source = e.ready = None
 
-    def _run_forward(self, source, ready, free, dst, result):
-        for ev in (ready, free):      # events exist only where a GPU tensor is involved
+    def _run_forward(self, source, ready, free, dst, result, over_link=False):
+        for ev in (ready, free):      # events exist only where a device tensor is involved
             _wait_for(self._h2d, ev)
-        _copy(self._h2d, [(dst, source)])
+        self._across([(dst, source)], "h2d", over_link)
         return self._finish(dst, result)
 
     def _run_get(self, e, prev, free, dst, result, to_device):
@@ -1107,7 +1112,13 @@ class TensorStore:
             self._wait_prev(prev)
             size = torch.tensor([], dtype=e.dtype).element_size()
             segs = self._segments(e.nbytes)
-            if e.host is not None and e.nbytes and self.seg_payload % size == 0:
+            in_place = e.nbytes and self.seg_payload % size == 0
+            if in_place and e.host is None and e.gpu is None and not e.gds:
+                # Read into host buffers when the pool has room, as a prefetch would: lent
+                # in place and written back from them, with no copy either way (a copy
+                # costs the drive this machine's memory bandwidth beside it).
+                self._prefetch(e, None, "host", self._room(None))
+            if e.host is not None and in_place:
                 self.counters.add("host", nread=e.nbytes, kind=e.kind)
                 return [self._payload(buf, b - a).view(e.dtype)
                         for buf, (_, a, b) in zip(e.host, segs)]
