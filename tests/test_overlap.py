@@ -211,7 +211,7 @@ def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
 
 
 @contextmanager
-def _clipped_training(megatron_world, tmp_path):
+def _clipped_training(megatron_world, tmp_path, alpha=0.0):
     """A tiny GPT, one layer a unit, its weights and its clipped AdamW's state on the drive:
     (model, units, params, tensor store, optimizer, weights)."""
     torch.manual_seed(0)
@@ -219,7 +219,8 @@ def _clipped_training(megatron_world, tmp_path):
     units = GPTUnits(model, 1)
     params = UnitParams.of(units)
     with TensorStore(tmp_path, host_memory_limit=256 * MiB) as tstore:
-        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+                             alpha=alpha)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
                                  dtype=torch.float32)
         try:
@@ -303,6 +304,35 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
             read = events.index(("read", unit))
             for lay in params.layouts_owned_by(unit + 1):
                 assert events.index(("update", lay.key)) < read, (unit, events)
+
+
+def test_a_units_weights_are_read_part_by_part_as_each_parts_update_finishes(
+        megatron_world, tmp_path):
+    """With clipping every update waits for the forward sweep; a unit's first part is read
+    as soon as its update is done, while the second part's update runs (before, both parts'
+    updates were waited for before either part was read)."""
+    with _clipped_training(megatron_world, tmp_path, alpha=0.25) as (
+            model, units, params, tstore, opt, weights):
+        events, finish_update, get = [], opt.finish_update, tstore.get
+
+        def spy_finish(key, soon=False, parts=PARTS):
+            finish_update(key, soon, parts)
+            events.append(("updated", key, tuple(parts)))
+
+        def spy_get(key, *args, **kwargs):
+            if key[0] == "w":
+                events.append(("read", key[1], key[2]))
+            return get(key, *args, **kwargs)
+
+        opt.finish_update, tstore.get = spy_finish, spy_get
+        _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
+        forward = [unit for unit in range(units.num_units - 1)]
+        assert len(forward) >= 2
+        for unit in forward:
+            first_read = events.index(("read", unit, PARTS[0]))
+            second_done = next(i for i, e in enumerate(events)
+                               if e[:2] == ("updated", unit) and PARTS[1] in e[2])
+            assert first_read < second_done, (unit, events)
 
 
 def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(megatron_world,

@@ -8,7 +8,9 @@ and tools/bench_overlap.py prices its drive bytes at rates probed one direction 
 idle cores. This measures, through the store (its engine, records and checksums), in turn:
 - ``--size`` written, then read back (the two in turn: the baseline);
 - ``--size`` read while another ``--size`` is written (ours: the step's mix);
-each with the cores idle, then beside two threads busy with matmuls (the host's compute).
+each with the cores idle, then beside ``--busy-threads`` threads (two) busy with matmuls
+(the host's compute) or, with ``--busy copy``, copying memory (the store's and the
+optimizer's memory traffic).
 Repeats ``--repeat`` times, alternating, and prints the median of mixed ÷ in turn last
 (below 1: the mix costs nothing), with the raw figures in JSON.
 """
@@ -65,16 +67,26 @@ def one_round(store, size: int, record: int) -> dict:
 
 
 class BusyCores:
-    """Two threads multiplying matrices until stopped: the host's compute beside the I/O."""
+    """``threads`` threads until stopped, each multiplying matrices (``work`` "matmul": the
+    host's compute) or copying a 64 MiB buffer ("copy": memory traffic) beside the I/O."""
+
+    def __init__(self, work: str = "matmul", threads: int = 2):
+        self.work, self.count = work, threads
 
     def __enter__(self):
         self.stop = threading.Event()
-        a = torch.randn(512, 512)
 
         def burn():
-            while not self.stop.is_set():
-                a @ a
-        self.threads = [threading.Thread(target=burn, daemon=True) for _ in range(2)]
+            if self.work == "copy":
+                src = torch.ones(64 << 20, dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                while not self.stop.is_set():
+                    dst.copy_(src)
+            else:
+                a = torch.randn(512, 512)
+                while not self.stop.is_set():
+                    a @ a
+        self.threads = [threading.Thread(target=burn, daemon=True) for _ in range(self.count)]
         for t in self.threads:
             t.start()
         return self
@@ -91,21 +103,26 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes each way (1GiB)")
     p.add_argument("--record", type=parse_size, default=48 << 20,
                    help="bytes per put (48MiB: a unit's record of the overlap benchmark)")
+    p.add_argument("--busy", choices=("matmul", "copy"), default="matmul",
+                   help="what the busy threads do: matmuls (compute) or memory copies")
+    p.add_argument("--busy-threads", type=int, default=2, help="busy threads (2)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     if not os.path.isdir(a.dir):
         p.error(f"--dir {a.dir} does not exist: create it on the drive to measure")
+    if a.busy_threads < 1:
+        p.error(f"--busy-threads {a.busy_threads}: give 1 or more")
     if a.size < a.record:
         p.error(f"--size {a.size} is below one --record ({a.record} bytes): raise --size")
     a.size -= a.size % a.record   # whole records, so that every rate counts what moved
-    torch.set_num_threads(1)   # the busy threads' matmuls, one core each
+    torch.set_num_threads(1)   # the busy threads' work, one core each
     rounds = {"idle": [], "busy": []}
     with TensorStore(a.dir, host_memory_limit=2 * a.record + (1 << 30), device="cpu") as store:
         _puts(store, "a", a.size // a.record, torch.empty(a.record, dtype=torch.uint8).random_())
         for r in range(a.repeat):
             rounds["idle"].append(one_round(store, a.size, a.record))
-            with BusyCores():
+            with BusyCores(a.busy, a.busy_threads):
                 rounds["busy"].append(one_round(store, a.size, a.record))
             for cores in ("idle", "busy"):
                 x = rounds[cores][-1]

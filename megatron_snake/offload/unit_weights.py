@@ -110,12 +110,24 @@ class OffloadedUnits(UnitStore):
     def _read_flat(self, lay) -> torch.Tensor:
         """The layout's whole flat of working weights on the compute device: this rank's
         records, all-gathered."""
+        return self._gather(lay, *self._start_read(lay))
+
+    def _start_read(self, lay, after_update: bool = False):
+        """Issue the reads of this rank's records of a layout into a new device buffer;
+        returns (buffer, handles). ``after_update``: each part's read is issued as soon as
+        that part's update is done, so it runs while the next update does."""
         start, end, _ = self.dp.shard(lay.numel)
         # a new buffer: its copies run while the device computes the unit before
         local = self.store.new_buffer(end - start, self.dtype, self.device)
-        handles = [self.store.get(("w", lay.key, part), out=local[lo - start:hi - start],
-                                  new_out=True)
-                   for part, (lo, hi) in self.record_parts(lay)]
+        handles = []
+        for part, (lo, hi) in self.record_parts(lay):
+            if after_update:
+                self.optimizer.finish_update(lay.key, soon=True, parts=(part,))
+            handles.append(self.store.get(("w", lay.key, part),
+                                          out=local[lo - start:hi - start], new_out=True))
+        return local, handles
+
+    def _gather(self, lay, local, handles) -> torch.Tensor:
         for handle in handles:
             handle.wait()
         return self.dp.all_gather(local, lay.numel)
@@ -158,12 +170,16 @@ class OffloadedUnits(UnitStore):
             # update runs, before this unit's weights are asked for).
             for owned_next in self.params.layouts_owned_by(next_unit):
                 self.optimizer.start_update(owned_next.key, soon=True)
-        for lay in owned:
-            self.optimizer.finish_update(lay.key, soon=True)
+        lay = self.params.units[unit]
+        # At the start of a step the unit's and the shared layout's updates run back to
+        # back, each waiting for the global norm: a part's weights are read while the
+        # updates after it run, not after all of them.
+        reads = self._start_read(lay, after_update=True)
+        for owned_lay in owned:
+            self.optimizer.finish_update(owned_lay.key, soon=True)
         if self.params.shared_owner == unit and self._shared_stale:
             self._refresh_shared()
-        lay = self.params.units[unit]
-        flat = self._read_flat(lay)
+        flat = self._gather(lay, *reads)
         # Weights in host memory (published there by their update, or read ahead, when the
         # pool had room) stay there from the forward read to the backward read, which moves
         # them down: the drive writes them once a step and never reads them back, and the

@@ -444,11 +444,11 @@ class OffloadedAdamW(HostAdamW):
             running = any(matches(k, p) and not f.done() for (k, p), f in self._running.items())
         return running or any(matches(k, p) for k, p in self._deferred)
 
-    def finish_update(self, key, soon: bool = False) -> None:
-        """Block until every part of ``key`` is updated: call before reading its weights
-        (``soon``: as ``start_update``'s)."""
+    def finish_update(self, key, soon: bool = False, parts=PARTS) -> None:
+        """Block until ``parts`` of ``key`` (every part) are updated: call before reading
+        their weights (``soon``: as ``start_update``'s)."""
         self.start_update(key, soon)
-        for part in PARTS:
+        for part in parts:
             with self._lock:
                 fut = self._running.pop((key, part), None)
             if fut is not None and not fut.done():
