@@ -1115,8 +1115,8 @@ class TensorStore:
             in_place = e.nbytes and self.seg_payload % size == 0
             if in_place and e.host is None and e.gpu is None and not e.gds:
                 # Read into host buffers when the pool has room, as a prefetch would: lent
-                # in place and written back from them, with no copy either way (a copy
-                # costs the drive this machine's memory bandwidth beside it).
+                # in place and written back from them, with no copy either way (copies
+                # take the cores the drive's I/O shares).
                 self._prefetch(e, None, "host", self._room(None))
             if e.host is not None and in_place:
                 self.counters.add("host", nread=e.nbytes, kind=e.kind)
