@@ -244,6 +244,19 @@ def _two_steps(model, tstore, weights, opt, events: list, optimizer_after=(0, 1)
             opt.step()
 
 
+def _record_weight_reads(tstore, events: list, entry) -> None:
+    """Spy on ``tstore.get``: each read of working weights appends ``entry(key)`` to
+    ``events`` as it is issued."""
+    get = tstore.get
+
+    def spy_get(key, *args, **kwargs):
+        if key[0] == "w":
+            events.append(entry(key))
+        return get(key, *args, **kwargs)
+
+    tstore.get = spy_get
+
+
 def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatron_world,
                                                                        tmp_path):
     """A unit's weights published into host memory are not evicted by their forward read:
@@ -252,18 +265,15 @@ def test_weights_stay_in_host_from_the_forward_read_to_the_backward_read(megatro
     behind those writes, themselves behind the forward sweep's updated state)."""
     with _clipped_training(megatron_world, tmp_path) as (model, units, params, tstore, opt,
                                                          weights):
-        events, evict, get = [], tstore.evict, tstore.get
+        events, evict = [], tstore.evict
 
         def spy_evict(key, *args, **kwargs):
             events.append(("evict", key[1]))
             return evict(key, *args, **kwargs)
 
-        def spy_get(key, *args, **kwargs):
-            if key[0] == "w":
-                events.append(("read", key[1], tuple(tstore.tiers(key))))
-            return get(key, *args, **kwargs)
-
-        tstore.evict, tstore.get = spy_evict, spy_get
+        tstore.evict = spy_evict
+        _record_weight_reads(tstore, events, lambda key: ("read", key[1],
+                                                          tuple(tstore.tiers(key))))
         _two_steps(model, tstore, weights, opt, events, optimizer_after=(0, 1))
         # step 2: the units of the forward sweep (the loss unit runs only in the backward)
         forward = range(units.num_units - 1)
@@ -283,19 +293,15 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
     (before, it was queued after, so the updates and the reads took turns)."""
     with _clipped_training(megatron_world, tmp_path) as (model, units, params, tstore, opt,
                                                          weights):
-        events, start_update, get = [], opt.start_update, tstore.get
+        events, start_update = [], opt.start_update
 
         def spy_start(key, soon=False):
             if opt.pending(key):
                 events.append(("update", key))
             start_update(key, soon)
 
-        def spy_get(key, *args, **kwargs):
-            if key[0] == "w":
-                events.append(("read", key[1]))
-            return get(key, *args, **kwargs)
-
-        opt.start_update, tstore.get = spy_start, spy_get
+        opt.start_update = spy_start
+        _record_weight_reads(tstore, events, lambda key: ("read", key[1]))
         _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
         # step 2's forward sweep applied step 1's updates (clipping: all deferred)
         forward = [unit for unit in range(units.num_units - 1)]
@@ -313,18 +319,14 @@ def test_a_units_weights_are_read_part_by_part_as_each_parts_update_finishes(
     updates were waited for before either part was read)."""
     with _clipped_training(megatron_world, tmp_path, alpha=0.25) as (
             model, units, params, tstore, opt, weights):
-        events, finish_update, get = [], opt.finish_update, tstore.get
+        events, finish_update = [], opt.finish_update
 
         def spy_finish(key, soon=False, parts=PARTS):
             finish_update(key, soon, parts)
             events.append(("updated", key, tuple(parts)))
 
-        def spy_get(key, *args, **kwargs):
-            if key[0] == "w":
-                events.append(("read", key[1], key[2]))
-            return get(key, *args, **kwargs)
-
-        opt.finish_update, tstore.get = spy_finish, spy_get
+        opt.finish_update = spy_finish
+        _record_weight_reads(tstore, events, lambda key: ("read", key[1], key[2]))
         _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
         forward = [unit for unit in range(units.num_units - 1)]
         assert len(forward) >= 2
