@@ -27,7 +27,7 @@ from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW
-from megatron_snake.optim.unit_params import UnitParams
+from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import CombinedStore
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.training.train_log import model_flops_per_iteration
@@ -335,6 +335,39 @@ def test_a_units_weights_are_read_part_by_part_as_each_parts_update_finishes(
             second_done = next(i for i, e in enumerate(events)
                                if e[:2] == ("updated", unit) and PARTS[1] in e[2])
             assert first_read < second_done, (unit, events)
+
+
+def test_the_shared_layout_is_read_part_by_part_and_its_parameters_are_not_copied(
+        megatron_world, tmp_path):
+    """The shared layout's update waits for the forward sweep too: its first part is read
+    while its second part's update runs (before, both were waited for, then the whole
+    layout read and copied into the parameters on the main thread), and the parameters
+    take views of the buffer read, as a unit's do."""
+    with _clipped_training(megatron_world, tmp_path, alpha=0.25) as (
+            model, units, params, tstore, opt, weights):
+        assert params.shared.segments and len(weights.record_parts(params.shared)) == 2
+        events, finish_update = [], opt.finish_update
+
+        def spy_finish(key, soon=False, parts=PARTS):
+            finish_update(key, soon, parts)
+            events.append(("updated", key, tuple(parts)))
+
+        opt.finish_update = spy_finish
+        _record_weight_reads(tstore, events, lambda key: ("read", key[1], key[2]))
+        def storages():
+            return [seg.param.data.untyped_storage().data_ptr()
+                    for seg in params.shared.segments]
+
+        for seg in params.shared.segments:   # each in memory of its own
+            seg.param.data = seg.param.data.clone()
+        own = set(storages())
+        _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
+        first_read = events.index(("read", SHARED, PARTS[0]))
+        second_done = next(i for i, e in enumerate(events)
+                           if e[:2] == ("updated", SHARED) and PARTS[1] in e[2])
+        assert first_read < second_done, events
+        # not copied into the parameters' own memory: views of the one buffer read
+        assert len(set(storages())) == 1 and not own & set(storages())
 
 
 def test_the_backward_sweep_reads_ahead_the_state_the_forward_sweep_updates(megatron_world,

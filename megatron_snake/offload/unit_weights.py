@@ -152,12 +152,14 @@ class OffloadedUnits(UnitStore):
         if key == SHARED:
             self._shared_stale = True
 
-    def _refresh_shared(self) -> None:
-        """Copy updated shared weights into their resident parameters (a collective when
-        data parallel: every rank does it at the same point of the schedule)."""
-        flat = self._read_flat(self.params.shared)
-        for seg, view in zip(self.params.shared.segments, self.params.shared.views(flat)):
-            seg.param.data.copy_(view)
+    def _refresh_shared(self, reads=None) -> None:
+        """Updated shared weights into their resident parameters (a collective when data
+        parallel: every rank does it at the same point of the schedule). ``reads``:
+        ``_start_read``'s for the shared layout, when they are issued already."""
+        lay = self.params.shared
+        flat = self._gather(lay, *(reads or self._start_read(lay)))
+        for seg, view in zip(lay.segments, lay.views(flat)):
+            seg.param.data = view   # views of the new buffer, as a unit's are: no copy
         self._shared_stale = False
 
     def acquire_unit(self, unit, *, next_unit, for_backward):
@@ -175,10 +177,17 @@ class OffloadedUnits(UnitStore):
         # back, each waiting for the global norm: a part's weights are read while the
         # updates after it run, not after all of them.
         reads = self._start_read(lay, after_update=True)
+        # Whether the shared weights change is known before their update is done, alike on
+        # every data-parallel rank (their read is a collective): one is pending (asked
+        # first: when it ends, it has marked them stale), or it is in place already.
+        shared_reads = None
+        if self.params.shared_owner == unit and (self.optimizer.pending(SHARED)
+                                                 or self._shared_stale):
+            shared_reads = self._start_read(self.params.shared, after_update=True)
         for owned_lay in owned:
             self.optimizer.finish_update(owned_lay.key, soon=True)
-        if self.params.shared_owner == unit and self._shared_stale:
-            self._refresh_shared()
+        if shared_reads is not None:
+            self._refresh_shared(shared_reads)
         flat = self._gather(lay, *reads)
         # Weights in host memory (published there by their update, or read ahead, when the
         # pool had room) stay there from the forward read to the backward read, which moves

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import megatron_snake.timeline as timeline
 from megatron_snake.storage.errors import HostMemoryError
 
 PAGE = 4096
@@ -124,8 +125,9 @@ class HostBufferPool:
             if self._available() < n:
                 self.waits += 1
                 t0 = time.perf_counter()
-                while self._available() < n:
-                    self._cv.wait()
+                with timeline.span("pool.wait", "wait", buffers=n):
+                    while self._available() < n:
+                        self._cv.wait()
                 self.wait_seconds += time.perf_counter() - t0
             out = self._take(n)
             if resident:

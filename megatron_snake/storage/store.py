@@ -382,9 +382,10 @@ class TensorStore:
         with self._queued_cv:
             if self._queued_bytes and self._queued_bytes + nbytes > self.max_queued_bytes:
                 self.queued_waits += 1
-                while self._queued_bytes and \
-                        self._queued_bytes + nbytes > self.max_queued_bytes:
-                    self._queued_cv.wait()
+                with timeline.span("queue.wait", "wait"):
+                    while self._queued_bytes and \
+                            self._queued_bytes + nbytes > self.max_queued_bytes:
+                        self._queued_cv.wait()
             self._queued_bytes += nbytes
 
     def _release_queue(self, nbytes: int) -> None:
