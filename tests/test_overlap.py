@@ -312,6 +312,27 @@ def test_the_forward_sweep_queues_the_next_update_before_it_reads_a_units_weight
                 assert events.index(("update", lay.key)) < read, (unit, events)
 
 
+def _record_part_reads_and_updates(opt, tstore) -> list:
+    """Spy on the optimizer's ``finish_update`` and the store's weight reads: returns the
+    list they append ("updated", key, parts) and ("read", key, part) to, in order."""
+    events, finish_update = [], opt.finish_update
+
+    def spy_finish(key, soon=False, parts=PARTS):
+        finish_update(key, soon, parts)
+        events.append(("updated", key, tuple(parts)))
+
+    opt.finish_update = spy_finish
+    _record_weight_reads(tstore, events, lambda key: ("read", key[1], key[2]))
+    return events
+
+
+def _first_part_read_before_second_updated(events: list, key) -> bool:
+    first_read = events.index(("read", key, PARTS[0]))
+    second_done = next(i for i, e in enumerate(events)
+                       if e[:2] == ("updated", key) and PARTS[1] in e[2])
+    return first_read < second_done
+
+
 def test_a_units_weights_are_read_part_by_part_as_each_parts_update_finishes(
         megatron_world, tmp_path):
     """With clipping every update waits for the forward sweep; a unit's first part is read
@@ -319,22 +340,12 @@ def test_a_units_weights_are_read_part_by_part_as_each_parts_update_finishes(
     updates were waited for before either part was read)."""
     with _clipped_training(megatron_world, tmp_path, alpha=0.25) as (
             model, units, params, tstore, opt, weights):
-        events, finish_update = [], opt.finish_update
-
-        def spy_finish(key, soon=False, parts=PARTS):
-            finish_update(key, soon, parts)
-            events.append(("updated", key, tuple(parts)))
-
-        opt.finish_update = spy_finish
-        _record_weight_reads(tstore, events, lambda key: ("read", key[1], key[2]))
+        events = _record_part_reads_and_updates(opt, tstore)
         _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
         forward = [unit for unit in range(units.num_units - 1)]
         assert len(forward) >= 2
         for unit in forward:
-            first_read = events.index(("read", unit, PARTS[0]))
-            second_done = next(i for i, e in enumerate(events)
-                               if e[:2] == ("updated", unit) and PARTS[1] in e[2])
-            assert first_read < second_done, (unit, events)
+            assert _first_part_read_before_second_updated(events, unit), (unit, events)
 
 
 def test_the_shared_layout_is_read_part_by_part_and_its_parameters_are_not_copied(
@@ -346,14 +357,8 @@ def test_the_shared_layout_is_read_part_by_part_and_its_parameters_are_not_copie
     with _clipped_training(megatron_world, tmp_path, alpha=0.25) as (
             model, units, params, tstore, opt, weights):
         assert params.shared.segments and len(weights.record_parts(params.shared)) == 2
-        events, finish_update = [], opt.finish_update
+        events = _record_part_reads_and_updates(opt, tstore)
 
-        def spy_finish(key, soon=False, parts=PARTS):
-            finish_update(key, soon, parts)
-            events.append(("updated", key, tuple(parts)))
-
-        opt.finish_update = spy_finish
-        _record_weight_reads(tstore, events, lambda key: ("read", key[1], key[2]))
         def storages():
             return [seg.param.data.untyped_storage().data_ptr()
                     for seg in params.shared.segments]
@@ -362,10 +367,7 @@ def test_the_shared_layout_is_read_part_by_part_and_its_parameters_are_not_copie
             seg.param.data = seg.param.data.clone()
         own = set(storages())
         _two_steps(model, tstore, weights, opt, events, optimizer_after=(0,))
-        first_read = events.index(("read", SHARED, PARTS[0]))
-        second_done = next(i for i, e in enumerate(events)
-                           if e[:2] == ("updated", SHARED) and PARTS[1] in e[2])
-        assert first_read < second_done, events
+        assert _first_part_read_before_second_updated(events, SHARED), events
         # not copied into the parameters' own memory: views of the one buffer read
         assert len(set(storages())) == 1 and not own & set(storages())
 
