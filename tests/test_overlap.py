@@ -81,6 +81,41 @@ def test_spilled_records_use_what_the_planned_host_records_do_not_hold(tmp_path)
         assert not spilled("d", 16)
 
 
+def test_a_converted_put_into_host_memory_is_in_place_without_queueing(tmp_path):
+    """New weights (fp32 master pieces, cut wherever their buffers end) go into the host
+    tier as bf16 on the calling thread, stored when the call returns even while both
+    memory writers are busy: no converted copy is made to be copied again by them."""
+    pieces = [torch.randn(n) for n in (100_000, 3, 300_001, 0, 123_456)]
+    expected = torch.cat(pieces).to(torch.bfloat16)
+    with TensorStore(tmp_path, host_memory_limit=64 * MiB, buffer_bytes=256 * 1024) as store:
+        store.put("w", torch.zeros(7), tier="host").wait()   # an old value, replaced
+        busy = threading.Event()
+        blockers = [store._memory_writers.submit(busy.wait) for _ in range(2)]
+        try:
+            stored = store.put_converted("w", pieces, torch.bfloat16, tier="host",
+                                         kind="weights", spill="nvme").done()
+        finally:
+            busy.set()
+            for blocker in blockers:
+                blocker.result()
+        assert stored, "in place when put_converted returns, not queued for a writer"
+        assert store.tiers("w") == ["host"]
+        got = store.get("w").wait()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+        for piece in pieces:   # the pieces may change once the put returns
+            piece.fill_(7.0)
+        assert torch.equal(store.get("w").wait(), expected)
+        # no room now: converted here and put to the drive instead
+        store.spill_keep_free = store.pool.count
+        store.put_converted("w", pieces, torch.bfloat16, tier="host", kind="weights",
+                            spill="nvme").wait()
+        assert store.tiers("w") == ["nvme"]
+        assert torch.equal(store.get("w").wait(), torch.full((expected.numel(),), 7.0,
+                                                             dtype=torch.bfloat16))
+        store.synchronize()
+        assert store.pool.resident == 0, "the replaced values' host buffers are free"
+
+
 def test_a_prefetch_if_room_is_skipped_when_the_pool_has_none(tmp_path):
     with TensorStore(tmp_path, host_memory_limit=64 * MiB, buffer_bytes=MiB) as store:
         store.put("k", torch.ones(4 * MiB // 4), tier="nvme").wait()

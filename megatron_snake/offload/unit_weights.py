@@ -138,17 +138,14 @@ class OffloadedUnits(UnitStore):
         ``soon``: the unit is read next (a deferred update runs one unit ahead), so a unit
         whose weights live on the drive keeps them in host memory when it has room, until
         the backward sweep's read evicts them to the drive (``acquire_unit``)."""
-        weights = torch.empty(sum(p.numel() for p in master), dtype=self.dtype)
-        start = 0
-        for piece in master:
-            weights[start:start + piece.numel()].copy_(piece)
-            start += piece.numel()
+        # converted straight into host buffers when they go there (put_converted)
         if soon and key != SHARED and self.tier_of(key) == "nvme":
-            self.store.put(("w", key, part), weights, tier="host",
-                           kind="weights", spill="nvme", keep_free=self.host_keep_free)
+            self.store.put_converted(("w", key, part), master, self.dtype, tier="host",
+                                     kind="weights", spill="nvme",
+                                     keep_free=self.host_keep_free)
         else:
-            self.store.put(("w", key, part), weights, tier=self.tier_of(key),
-                           kind="weights")
+            self.store.put_converted(("w", key, part), master, self.dtype,
+                                     tier=self.tier_of(key), kind="weights")
         if key == SHARED:
             self._shared_stale = True
 

@@ -246,6 +246,20 @@ def _copy(stream, pairs):
             _bitcopy(dst, src)
 
 
+def _copy_concatenation(dsts, srcs) -> None:
+    """Copy the concatenation of the 1-D tensors ``srcs`` into that of ``dsts`` (as many
+    elements), converting their dtype, wherever the two are cut."""
+    i = j = di = sj = 0
+    while i < len(dsts) and j < len(srcs):
+        n = min(dsts[i].numel() - di, srcs[j].numel() - sj)
+        dsts[i][di:di + n].copy_(srcs[j][sj:sj + n])
+        di, sj = di + n, sj + n
+        if di == dsts[i].numel():
+            i, di = i + 1, 0
+        if sj == srcs[j].numel():
+            j, sj = j + 1, 0
+
+
 def _wait_for(stream, event):
     """Order ``stream``'s later work after ``event``; with no copy stream, block the host."""
     if event is None:
@@ -347,9 +361,7 @@ class TensorStore:
         drive when not. Room means ``keep_free`` buffers (default ``spill_keep_free``:
         the drive's staging and the host records the placement planned) stay free."""
         self._check_tier(tier)
-        if spill is not None and (tier != "host" or spill != "nvme"):
-            raise ValueError(f"put({key!r}): spill={spill!r} applies to tier 'host' and "
-                             "spills to 'nvme'")
+        self._check_spill(key, tier, spill)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}): expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
@@ -375,6 +387,53 @@ class TensorStore:
             e.last = fut
         fut.add_done_callback(lambda _: self._release_queue(nbytes))
         return Handle(fut, self)
+
+    def put_converted(self, key, pieces, dtype, tier="nvme", kind="misc", spill=None,
+                      keep_free=None):
+        """``put`` of the concatenation of the 1-D CPU tensors ``pieces`` as one 1-D record
+        of ``dtype``, converted as it is copied. When the host pool has room now, a record
+        for the host tier is written on the calling thread straight into its buffers: no
+        converted copy is made first and nothing queues behind other puts, so the record
+        is in place when this returns (new weights from an update, read next). Otherwise
+        (another tier, or no room) the converted copy is made here and ``put``. The pieces
+        may change once this returns; the handle is done when the record is stored."""
+        self._check_tier(tier)
+        self._check_spill(key, tier, spill)
+        numel = sum(p.numel() for p in pieces)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        segs = self._segments(nbytes)
+        bufs = self.pool.try_acquire_resident(len(segs), self._room(keep_free)) \
+            if tier == "host" and segs else None
+        if bufs is None:
+            flat = torch.empty(numel, dtype=dtype)
+            _copy_concatenation([flat], pieces)
+            return self.put(key, flat, tier=tier, kind=kind, spill=spill, keep_free=keep_free)
+        with timeline.span(f"put {kind}", "store", tier=tier, bytes=nbytes):
+            try:
+                with timeline.span(f"host write {kind}", "host copy", bytes=nbytes):
+                    _copy_concatenation([self._payload(buf, b - a).view(dtype)
+                                         for buf, (_, a, b) in zip(bufs, segs)], pieces)
+                with self._lock:
+                    old = self._entries.get(key)
+                    if old is not None and old.lent:  # its bytes are being changed
+                        self._entry(key)               # raises, naming the key
+                    self._seq += 1
+                    e = _Entry(key, kind, dtype, (numel,), nbytes, torch.device("cpu"),
+                               key_hash(key), self._seq)
+                    e.host, e.last = bufs, _Done()
+                    self._entries[key] = e
+                    if old is not None:   # freed after its pending operations, as deleted
+                        self._forget(old)
+            except BaseException:
+                self.pool.release(bufs, resident=True)
+                raise
+            self.counters.add("host", nwritten=nbytes, kind=kind)
+        return Handle(e.last, self)
+
+    def _check_spill(self, key, tier, spill) -> None:
+        if spill is not None and (tier != "host" or spill != "nvme"):
+            raise ValueError(f"put({key!r}): spill={spill!r} applies to tier 'host' and "
+                             "spills to 'nvme'")
 
     def _reserve_queue(self, nbytes: int) -> None:
         """Wait until the queued puts leave room for ``nbytes`` more (one put is always let
@@ -505,12 +564,18 @@ class TensorStore:
             if e is None:
                 return Handle(_Done(), self)
             e.lent = False             # a loan ends with the value deleted
-            fut = self._writers.submit(self._run_delete, e, e.last)
-            e.last = fut
-            # the entry is gone from _entries: synchronize() finds its delete here
-            self._deleting.add(fut)
-        fut.add_done_callback(self._deleting.discard)
+            fut = self._forget(e)
         return Handle(fut, self)
+
+    def _forget(self, e):
+        """Free an entry no longer in ``_entries`` once its pending operations are done
+        (called holding ``_lock``)."""
+        fut = self._writers.submit(self._run_delete, e, e.last)
+        e.last = fut
+        # the entry is gone from _entries: synchronize() finds its delete here
+        self._deleting.add(fut)
+        fut.add_done_callback(self._deleting.discard)
+        return fut
 
     def __contains__(self, key):
         return key in self._entries
