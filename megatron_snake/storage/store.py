@@ -391,23 +391,25 @@ class TensorStore:
     def put_converted(self, key, pieces, dtype, tier="nvme", kind="misc", spill=None,
                       keep_free=None):
         """``put`` of the concatenation of the 1-D CPU tensors ``pieces`` as one 1-D record
-        of ``dtype``, converted as it is copied. When the host pool has room now, a record
-        for the host tier is written on the calling thread straight into its buffers: no
-        converted copy is made first and nothing queues behind other puts, so the record
-        is in place when this returns (new weights from an update, read next). Otherwise
-        (another tier, or no room) the converted copy is made here and ``put``. The pieces
-        may change once this returns; the handle is done when the record is stored."""
+        of ``dtype``, converted as it is copied. A record that may spill (``spill``) and
+        has room in the host pool now is written on the calling thread straight into its
+        buffers: no converted copy is made first and nothing queues behind other puts, so
+        the record is in place when this returns (new weights from an update, read next).
+        Otherwise the converted copy is made here and ``put``. The pieces may change once
+        this returns; the handle is done when the record is stored."""
         self._check_tier(tier)
         self._check_spill(key, tier, spill)
         numel = sum(p.numel() for p in pieces)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         segs = self._segments(nbytes)
+        # only a record that may spill: a planned host record holds planned buffers (acquire)
         bufs = self.pool.try_acquire_resident(len(segs), self._room(keep_free)) \
-            if tier == "host" and segs else None
+            if spill is not None and segs else None
         if bufs is None:
             flat = torch.empty(numel, dtype=dtype)
             _copy_concatenation([flat], pieces)
             return self.put(key, flat, tier=tier, kind=kind, spill=spill, keep_free=keep_free)
+        stored = _Done()
         with timeline.span(f"put {kind}", "store", tier=tier, bytes=nbytes):
             try:
                 with timeline.span(f"host write {kind}", "host copy", bytes=nbytes):
@@ -420,15 +422,20 @@ class TensorStore:
                     self._seq += 1
                     e = _Entry(key, kind, dtype, (numel,), nbytes, torch.device("cpu"),
                                key_hash(key), self._seq)
-                    e.host, e.last = bufs, _Done()
+                    e.host, e.last = bufs, stored
                     self._entries[key] = e
-                    if old is not None:   # freed after its pending operations, as deleted
-                        self._forget(old)
             except BaseException:
                 self.pool.release(bufs, resident=True)
                 raise
             self.counters.add("host", nwritten=nbytes, kind=kind)
-        return Handle(e.last, self)
+            # the old value: nothing can be queued on it now (it left _entries under the
+            # lock); freed at once when nothing is, else after its operations, as deleted
+            if old is not None and (old.last is None or old.last.done()):
+                self._free_entry(old)
+            elif old is not None:
+                with self._lock:
+                    self._forget(old)
+        return Handle(stored, self)
 
     def _check_spill(self, key, tier, spill) -> None:
         if spill is not None and (tier != "host" or spill != "nvme"):
