@@ -371,16 +371,14 @@ class TensorStore:
         self._reserve_queue(nbytes)
         ready = self._record_ready(tensor)
         with self._lock:
-            old = self._entries.get(key)
-            if old is not None and old.lent:   # a put must not replace bytes being changed
+            try:
+                e, old = self._new_entry(key, kind, tensor.dtype, tuple(tensor.shape), nbytes,
+                                         tensor.device)
+            except RuntimeError:
                 self._release_queue(nbytes)
-                self._entry(key)               # raises, naming the key
-            self._seq += 1
-            e = _Entry(key, kind, tensor.dtype, tuple(tensor.shape),
-                       tensor.numel() * tensor.element_size(), tensor.device, key_hash(key), self._seq)
+                raise
             e.source, e.ready = tensor, ready
             prev = old.last if old is not None else None
-            self._entries[key] = e
             room = None if spill is None else self._room(keep_free)
             fut = self._writers_for(tier).submit(self._run_put, e, old, prev, tensor, tier,
                                                  ready, room)
@@ -400,7 +398,7 @@ class TensorStore:
         self._check_tier(tier)
         self._check_spill(key, tier, spill)
         numel = sum(p.numel() for p in pieces)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         segs = self._segments(nbytes)
         # only a record that may spill: a planned host record holds planned buffers (acquire)
         bufs = self.pool.try_acquire_resident(len(segs), self._room(keep_free)) \
@@ -416,14 +414,9 @@ class TensorStore:
                     _copy_concatenation([self._payload(buf, b - a).view(dtype)
                                          for buf, (_, a, b) in zip(bufs, segs)], pieces)
                 with self._lock:
-                    old = self._entries.get(key)
-                    if old is not None and old.lent:  # its bytes are being changed
-                        self._entry(key)               # raises, naming the key
-                    self._seq += 1
-                    e = _Entry(key, kind, dtype, (numel,), nbytes, torch.device("cpu"),
-                               key_hash(key), self._seq)
+                    e, old = self._new_entry(key, kind, dtype, (numel,), nbytes,
+                                             torch.device("cpu"))
                     e.host, e.last = bufs, stored
-                    self._entries[key] = e
             except BaseException:
                 self.pool.release(bufs, resident=True)
                 raise
@@ -436,6 +429,17 @@ class TensorStore:
                 with self._lock:
                     self._forget(old)
         return Handle(stored, self)
+
+    def _new_entry(self, key, kind, dtype, shape, nbytes, device):
+        """A new value of ``key`` in ``_entries`` (called holding ``_lock``), and the value it
+        replaces. A value lent to be changed in place is never replaced (RuntimeError)."""
+        old = self._entries.get(key)
+        if old is not None and old.lent:
+            self._entry(key)               # raises, naming the key
+        self._seq += 1
+        e = _Entry(key, kind, dtype, shape, nbytes, device, key_hash(key), self._seq)
+        self._entries[key] = e
+        return e, old
 
     def _check_spill(self, key, tier, spill) -> None:
         if spill is not None and (tier != "host" or spill != "nvme"):
