@@ -18,12 +18,15 @@ import copy
 import hashlib
 import logging
 import os
+import struct
 import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 from torch.utils.data import DataLoader
 
+from megatron_snake.errors import UserError
 from megatron_snake.storage.safe_files import private_dir
 
 GPT_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -72,7 +75,8 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
 
     ``["prefix"]``, ``["prefixA", "prefixB"]`` (weights from the dataset sizes) or
     ``["0.3", "prefixA", "0.7", "prefixB"]``. A prefix may also be given with its ``.bin`` or
-    ``.idx`` suffix. Each prefix must have both ``.bin`` and ``.idx`` files. Prefixes are
+    ``.idx`` suffix. Each prefix must have both ``.bin`` and ``.idx`` files, and they must
+    make one dataset (:func:`check_indexed_dataset`; else :class:`DataError`). Prefixes are
     returned as absolute paths (Megatron hashes them into the index-cache key). ``flag``
     names the flag in errors (``--train-data-path`` etc. follow the same rules).
     """
@@ -113,9 +117,84 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
                         " (tools/preprocess_data.py writes <output-prefix>_text_document.bin/.idx;"
                         " pass <output-prefix>_text_document)"
                     )
-                raise FileNotFoundError(f"{flag} {prefix}: missing file {path}{hint}")
+                raise DataFileMissing(f"{flag} {prefix}: missing file {path}{hint}")
+        check_indexed_dataset(prefix, flag)
         resolved.append(os.path.abspath(prefix))
     return resolved, weights
+
+
+class DataError(UserError, ValueError):
+    """A dataset prefix whose files cannot be used: missing, or not one dataset."""
+
+
+class DataFileMissing(DataError, FileNotFoundError):
+    """A dataset prefix without its .bin or .idx file (a FileNotFoundError, as before)."""
+
+
+_IDX_FIXED = 34  # header 9, version 8, dtype code 1, sequence count 8, document count 8
+_IDX_CHUNK = 1 << 20  # sequences per pass: bounded memory on corpora of 1e9 sequences
+
+
+def check_indexed_dataset(prefix: str, flag: str = "--data-path") -> None:
+    """Refuse (DataError) a Megatron indexed dataset whose .idx and .bin do not belong
+    together, before anything reads it: Megatron-Core reads the .bin at the offsets the .idx
+    gives, so a foreign, short or retyped pair trains on wrong tokens or fails mid-run.
+
+    The .idx layout is megatron.core's _IndexWriter's: the header, version 1, a dtype code
+    of DType, the sequence and document counts n and d, then int32 lengths[n], int64
+    pointers[n], int64 document_indices[d] and, in a multimodal dataset, int8 modes[n].
+    Checked: that layout and size exactly, pointers[i] == the sum of the lengths before i
+    times the token size, document_indices from 0 to n, and the .bin's size == the end of
+    the last sequence. Read through a memmap, a chunk at a time.
+    """
+    with warnings.catch_warnings():  # importing megatron.core warns about TE and Apex
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+
+    def refuse(problem: str) -> DataError:
+        return DataError(
+            f"{flag} {prefix}: {idx_path} does not describe {bin_path} ({problem}); re-run "
+            f"tools/preprocess_data.py for this prefix, or fix {flag}")
+
+    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    with open(idx_path, "rb") as f:
+        fixed = f.read(_IDX_FIXED)
+    if fixed[:9] != _INDEX_HEADER:
+        raise refuse(f"the .idx ({idx_size} bytes) does not start with Megatron's index header")
+    if len(fixed) < _IDX_FIXED:
+        raise refuse(f"the .idx is {idx_size} bytes, shorter than its {_IDX_FIXED}-byte header")
+    version, code, n, d = struct.unpack("<QBQQ", fixed[9:])
+    if version != 1:
+        raise refuse(f"the .idx has format version {version}, not 1")
+    if code not in {c.value for c in DType}:
+        raise refuse(f"the .idx has dtype code {code}, none of Megatron's "
+                     f"{sorted(c.value for c in DType)}")
+    if d == 0:  # Megatron's writer always starts them with 0
+        raise refuse("the .idx has no document indices")
+    arrays = _IDX_FIXED + 12 * n + 8 * d
+    if idx_size not in (arrays, arrays + n):  # without or with the multimodal modes
+        raise refuse(f"the .idx is {idx_size} bytes, not the {arrays} its {n} sequences "
+                     f"and {d} document indices take")
+    itemsize = DType.size(code)
+    mm = numpy.memmap(idx_path, mode="r", offset=_IDX_FIXED)
+    lengths = mm[:4 * n].view(numpy.int32)
+    pointers = mm[4 * n:12 * n].view(numpy.int64)
+    docs = mm[12 * n:12 * n + 8 * d].view(numpy.int64)
+    if (int(docs[0]), int(docs[-1])) != (0, n):  # Megatron asserts the end; GPT needs no more
+        raise refuse(f"its document indices run {int(docs[0])}..{int(docs[-1])}, not 0..{n}")
+    end = 0  # where in the .bin the next sequence starts
+    for beg in range(0, n, _IDX_CHUNK):
+        nbytes = lengths[beg:beg + _IDX_CHUNK].astype(numpy.int64) * itemsize
+        starts = end + numpy.cumsum(nbytes) - nbytes
+        if (nbytes < 0).any() or not numpy.array_equal(pointers[beg:beg + _IDX_CHUNK], starts):
+            name = numpy.dtype(DType.dtype_from_code(code)).name
+            raise refuse(f"its sequence pointers do not match its lengths in {name} tokens of "
+                         f"{itemsize} bytes: a changed dtype code or a damaged .idx")
+        end = int(starts[-1] + nbytes[-1])
+    if bin_size != end:
+        raise refuse(f"the .bin is {bin_size} bytes, the .idx describes {end}")
 
 
 def default_data_cache_path() -> str:
