@@ -81,6 +81,91 @@ def test_read_only_dir(tmp_path):
         small_store(src, write_probe=read_only)
 
 
+def permission_checked_prefix():
+    """A command prefix whose process is held to file modes: none for a normal user; for
+    root (whom chmod 0500 does not stop) setpriv without the capabilities that bypass them
+    (an unprivileged user such as nobody cannot reach this Python under /root here)."""
+    if os.geteuid() != 0:
+        return []
+    prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    try:
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    except FileNotFoundError:
+        pass
+    pytest.skip("root, and setpriv cannot drop CAP_DAC_OVERRIDE here: chmod would not stop "
+                "this process; test_files_left_at_close_* injects the failure instead")
+
+
+CHMOD_BEFORE_CLOSE = textwrap.dedent("""
+    import os, runpy, sys
+    sys.path.insert(0, {repo!r})
+    from megatron_snake.storage.store import TensorStore
+    close = TensorStore.close
+
+    def chmod_then_close(self, *args, **kwargs):
+        os.chmod(self.dir.path, 0o500)   # the user's chmod, after the last step
+        return close(self, *args, **kwargs)
+
+    TensorStore.close = chmod_then_close
+    sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+    runpy.run_path(os.path.join({repo!r}, "examples", "pretrain_gpt.py"), run_name="__main__")
+""")
+
+
+def test_rank_dir_made_read_only_during_the_run_fails_at_close_naming_the_files(tmp_path):
+    """chmod 0500 on rank0 while training: the run finishes its steps, then its end says
+    which files it could not remove and why, and exits non-zero (it raised a bare
+    PermissionError from the first swap file and left the lock and the pool open)."""
+    prefix = permission_checked_prefix()
+    code = CHMOD_BEFORE_CLOSE.format(repo=REPO)
+    rank0 = tmp_path / "rank0"
+    p = subprocess.run([*prefix, sys.executable, "-c", code, "--snake-offload",
+                        "--snake-offload-dir", str(tmp_path), "--train-iters", "2",
+                        "--num-layers", "2", "--hidden-size", "32", "--log-interval", "1"],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert p.returncode != 0
+        assert "iteration        2/       2" in p.stdout, p.stdout[-2000:]
+        left = sorted(os.listdir(rank0))
+        assert "LOCK" in left and len(left) > 1, left
+        error = [line for line in p.stderr.splitlines() if "OffloadDirError" in line]
+        assert len(error) == 1, p.stderr[-3000:]
+        assert f"{rank0}: {len(left)} file(s) of this run" in error[0], error[0]
+        assert "(permission denied)" in error[0] and "chmod 0700" in error[0], error[0]
+        assert all(f" {name} (" in error[0] for name in left), (left, error[0])
+        assert "PermissionError" not in p.stderr, p.stderr[-3000:]
+    finally:
+        os.chmod(rank0, 0o700)
+
+
+def test_files_left_at_close_do_not_hide_the_error_that_ended_the_run(tmp_path, monkeypatch,
+                                                                     caplog):
+    """Removal refused (injected at unlink): after a clean run one OffloadDirError names
+    the files; after a failing one, the run's own error is raised and the files are logged."""
+    from megatron_snake.storage import swap_file
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    def run(path, then=lambda store: None):
+        path.mkdir()
+        with small_store(path) as s:
+            s.put("a", torch.ones(10), tier="nvme").wait()
+            monkeypatch.setattr(swap_file.os, "unlink", denied)   # os.unlink, everywhere
+            then(s)
+
+    with pytest.raises(OffloadDirError, match=r"2 file\(s\) of this run.*\(permission "
+                       r"denied\): misc.swap \(64.0 MiB\), LOCK \(\d+ bytes\)"):
+        run(tmp_path / "clean")
+    monkeypatch.undo()
+    with caplog.at_level(logging.ERROR, logger="megatron_snake.storage"):
+        with pytest.raises(KeyError, match="no key 'missing'"):
+            run(tmp_path / "failing", then=lambda store: store.get("missing"))
+    assert "could not be removed" in caplog.text and "misc.swap" in caplog.text
+
+
 def test_rank_dir_mode_and_cleanup(tmp_path):
     with small_store(tmp_path) as s:
         rank_dir = tmp_path / "rank0"

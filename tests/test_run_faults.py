@@ -34,11 +34,42 @@ SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4
     (["--clip-grad", "-0.5"], "--clip-grad", "must be >= 0"),
     (["--hidden-dropout", "1.5"], "--hidden-dropout", "between 0 and 1"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes", "must be > 0"),
+    # NaN passed every `value < 0` check; these ended in torch errors or bare AssertionErrors
+    (["--lr", "nan"], "--lr", "must be a finite number >= 0, got nan"),
+    (["--lr", "inf"], "--lr", "must be a finite number >= 0, got inf"),
+    (["--min-lr", "nan"], "--min-lr", "must be a finite number >= 0, got nan"),
+    (["--weight-decay", "nan"], "--weight-decay", "must be a finite number >= 0, got nan"),
+    (["--distributed-timeout-minutes", "nan"], "--distributed-timeout-minutes", "finite"),
+    (["--adam-eps", "nan"], "--adam-eps", "must be a finite number > 0, got nan"),
+    (["--adam-eps", "-1"], "--adam-eps", "must be > 0, got -1.0"),
+    (["--adam-eps", "0"], "--adam-eps", "must be > 0, got 0.0"),
+    (["--adam-beta1", "1.0"], "--adam-beta1", "must be in [0, 1), got 1.0"),
+    (["--adam-beta1", "nan"], "--adam-beta1", "must be a finite number in [0, 1), got nan"),
+    (["--adam-beta1", "-1"], "--adam-beta1", "must be in [0, 1), got -1.0"),
+    (["--adam-beta2", "1.5"], "--adam-beta2", "must be in [0, 1), got 1.5"),
+    (["--rotary-percent", "0"], "--rotary-percent", "must be in (0, 1], got 0.0"),
+    (["--seed", "-1"], "--seed", "must be between 0 and 4294967295"),
+    (["--seed", str(2 ** 32)], "--seed", "must be between 0 and 4294967295"),
+    (["--seed", "1e20"], "--seed", "invalid int value: '1e20'"),   # argparse's own
+    (["--lr-warmup-init", "1"], "--lr-warmup-init", "1.0 is larger than --lr 0.001"),
+    (["--fp16", "--min-loss-scale", "1e10"], "--min-loss-scale",
+     "is larger than --initial-loss-scale"),
+    (["--snake-activation-offload", "--snake-activation-offload-min-bytes", "0"],
+     "--snake-activation-offload-min-bytes", "must be >= 1, got 0"),
+    # accepted before, and meaningless
+    (["--clip-grad", "inf"], "--clip-grad", "must be >= 0 and finite"),
+    (["--snake-offload", "--snake-host-memory-limit", "99999999999GiB"],
+     "--snake-host-memory-limit", "99999999999.00 GiB is more than this machine's physical "
+     "memory ("),
+    (["--snake-trace", "trace.json", "--snake-trace-iteration", "21"], "--snake-trace-iteration",
+     "21 is never reached in a run of --train-iters 20; give 1 to 20"),
+    (["--snake-trace-iteration", "3"], "--snake-trace-iteration", "add --snake-trace FILE"),
 ])
 def test_bad_flag_value_is_refused_naming_the_flag(capsys, flags, flag_named, says):
-    """Each of these crashed deep inside (ZeroDivisionError, a bare AssertionError), was
-    silently misread (--exit-interval -1 stopped after one step, an empty offload directory
-    became a temporary one, --clip-grad -1 trained uphill), or was blamed on another flag."""
+    """Each of these crashed deep inside (ZeroDivisionError, a bare AssertionError, a torch
+    error), was silently misread (--exit-interval -1 stopped after one step, an empty offload
+    directory became a temporary one, --clip-grad -1 trained uphill, a host pool larger than
+    the machine bounded nothing), or was blamed on another flag."""
     err = expect_flag_error(capsys, flags, flag_named)
     assert says in err, err
 
@@ -50,6 +81,23 @@ def test_negative_clip_grad_is_refused_by_the_optimizer_too():
 
     with pytest.raises(ValueError, match="--clip-grad must be >= 0"):
         ZenFlowAdamW([], lr=1e-3, weight_decay=0.0, clip_grad=-1.0)
+
+
+def test_a_host_pool_larger_than_the_machine_is_refused_where_it_is_made(monkeypatch):
+    """The rule lives with the pool, so a library caller gets it too; a world the caller
+    plans (tools/plan.py, for a hardware profile's machine) is not held to this one's
+    memory."""
+    from megatron_snake.storage import host_pool
+    from megatron_snake.storage.errors import HostMemoryError
+    from megatron_snake.training.arguments import parse_args
+
+    monkeypatch.setattr(host_pool, "physical_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(HostMemoryError, match=r"--snake-host-memory-limit 2.00 GiB is more "
+                       r"than this machine's physical memory \(1.00 GiB\)"):
+        host_pool.HostBufferPool(2 << 30)
+    planned = parse_args(["--snake-offload", "--snake-host-memory-limit", "99999999999GiB"],
+                         world_size=1)
+    assert planned.snake_host_memory_limit == 99999999999 << 30
 
 
 def test_host_tiers_larger_than_the_limit_are_refused_at_start(megatron_world, tmp_path, capfd):

@@ -228,6 +228,53 @@ def test_plan_json_symlink_is_replaced_not_followed(megatron_world, tmp_path, vi
     assert not os.path.lexists(str(path) + ".part")
 
 
+def test_a_directory_planted_at_the_default_plan_path_is_refused_before_any_work(
+        megatron_world, offload_dir, monkeypatch):
+    """Another user makes a directory named like this rank's plan in the shared
+    --snake-offload-dir. The run never gave --snake-plan-json: it is refused before the
+    model is built, naming the default path, the directory it comes from and the way out."""
+    from megatron_snake.offload.activation_plan import PlanPathError
+    from megatron_snake.training import build
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    planted = offload_dir / "activation_plan_rank0.json"
+    planted.mkdir()
+    if os.geteuid() == 0:
+        os.chown(planted, OTHER_UID, OTHER_UID)      # as the other user made it
+
+    def built_first(*args, **kwargs):
+        raise AssertionError("the model was built before the plan path was checked")
+
+    monkeypatch.setattr(build, "build_gpt_model", built_first)
+    with pytest.raises(PlanPathError) as ei:
+        pretrain(parse_args(["--train-iters", "2", "--snake-offload",
+                             "--snake-offload-dir", str(offload_dir)]))
+    msg = assert_names(ei.value, f"default path {planted}", f"--snake-offload-dir {offload_dir}",
+                       "is a directory this run did not make", "remove it",
+                       "give --snake-plan-json")
+    assert not msg.startswith("--snake-plan-json"), msg
+    assert planted.is_dir() and not (offload_dir / "rank0").exists()   # nothing left
+
+
+def test_an_offload_dir_others_may_write_without_the_sticky_bit_is_warned_about(tmp_path,
+                                                                                caplog):
+    """Anyone who may write to such a directory may rename or remove what the run makes
+    there and put their own entry in its place (the checks cannot close that race)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode, warned in ((0o777, True), (0o775, True), (0o1777, False), (0o755, False)):
+        os.chmod(shared, mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_snake.storage"):
+            small_store(shared).close()
+        lines = [r.getMessage() for r in caplog.records if "sticky" in r.getMessage()]
+        assert len(lines) == warned, (oct(mode), lines)
+        if warned:
+            assert f"--snake-offload-dir {shared} is writable by other users" in lines[0]
+            assert "another user could replace" in lines[0] and "like /tmp" in lines[0]
+
+
 def test_plan_json_in_a_missing_directory_is_refused_at_the_start(tmp_path):
     path = tmp_path / "no" / "plan.json"
     with pytest.raises(ValueError, match="--snake-plan-json .*does not exist"):

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_snake.errors import UserError
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.placement.lifetimes import LifetimeRecorder, validate
 from megatron_snake.placement.plan import make_plan, minimum_gpu_bytes
@@ -99,12 +100,14 @@ class ActivationPlanner:
 
     def __init__(self, store, device, *, profile_iters: int, gpu_budget_bytes: int | None,
                  host_budget_bytes: int, plan_path: str | None, log=print,
-                 keep_for_next_unit: int = 0):
+                 keep_for_next_unit: int = 0, plan_default_in: str | None = None):
+        """``plan_default_in``: the offload directory ``plan_path`` is the default path in
+        (None: the user gave it)."""
         self.store, self.device, self.log = store, device, log
         self.keep_for_next_unit = keep_for_next_unit   # OffloadedUnitInputs
         self.profile_iters, self.plan_path = profile_iters, plan_path
         if plan_path:
-            _check_plan_path(plan_path)   # now, not after the profiled iterations
+            check_plan_path(plan_path, plan_default_in)   # now, not after the profiled steps
         self.gpu_budget = gpu_budget_bytes   # None: from the device (_device_budget)
         self.host_budget = host_budget_bytes
         self.plan = None
@@ -207,16 +210,29 @@ def _device_budget(device) -> int:
                - torch.cuda.max_memory_reserved(device))
 
 
-def _check_plan_path(path) -> None:
+class PlanPathError(UserError, ValueError):
+    """The activation plan could not be written where it goes."""
+
+
+def check_plan_path(path, default_in: str | None = None) -> None:
     """Refuse at the start a plan path the plan could not be written to: its directory must
     exist and the path must not be a directory (a link there is replaced when the plan is
-    written, never followed)."""
+    written, never followed). ``default_in``: the offload directory a default path was
+    made in; the message then names it, not --snake-plan-json, which the user did not give."""
+    what = f"--snake-plan-json {path}" if default_in is None else \
+        f"the activation plan's default path {path} (made from --snake-offload-dir {default_in})"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"--snake-plan-json {path}: the directory {parent} does not exist; "
-                         "create it or give another path")
-    if os.path.isdir(path) and not os.path.islink(path):
-        raise ValueError(f"--snake-plan-json {path} is a directory; give the path of a file")
+        raise PlanPathError(f"{what}: the directory {parent} does not exist; create it or "
+                            "give another path")
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    if default_in is None:
+        raise PlanPathError(f"{what} is a directory; give the path of a file")
+    owner = os.lstat(path).st_uid
+    whose = f", owned by uid {owner}" if owner != os.geteuid() else ""
+    raise PlanPathError(f"{what} is a directory this run did not make{whose}; remove it, or "
+                        "give --snake-plan-json the path of a file")
 
 
 def measure_tier_bandwidth(store, nbytes: int = 64 << 20, tiers=("host", "nvme")) -> dict:

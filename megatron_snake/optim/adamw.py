@@ -4,6 +4,8 @@ and the interface the training loop drives, in the names of Megatron's optimizer
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 STATES = ("master", "exp_avg", "exp_avg_sq")   # fp32 master weights and both moments
@@ -18,9 +20,11 @@ def megatron_param_groups(lr: float, weight_decay: float) -> list[dict]:
 
 def check_clip_grad(clip_grad: float) -> None:
     """``--clip-grad``: the global gradient-norm bound; 0 turns clipping off (Megatron's
-    convention). A negative bound would flip every update's sign."""
-    if not clip_grad >= 0.0:
-        raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {clip_grad}")
+    convention). A negative bound would flip every update's sign; an infinite one clips
+    nothing while the update still waits for the global norm."""
+    if not (math.isfinite(clip_grad) and clip_grad >= 0.0):
+        raise ValueError(f"--clip-grad must be >= 0 and finite (0 turns clipping off), got "
+                         f"{clip_grad}")
 
 
 def clip_coefficient(clip_grad: float, total_norm: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import time
 
 from megatron_snake.storage.errors import CapacityError, OffloadDirError, UnsafePathError
 from megatron_snake.storage.safe_files import create_file, open_owned_file, private_dir
+from megatron_snake.storage import sizes
 from megatron_snake.storage.swap_file import read_file_header
 
 log = logging.getLogger("megatron_snake.storage")
@@ -90,6 +91,13 @@ class RankDir:
                                   "(it is not created for you, so a typo cannot fill another disk)")
         if not os.path.isdir(self.root):
             raise OffloadDirError(f"{flag} {self.root} is not a directory")
+        mode = os.stat(self.root).st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+            # without the sticky bit anyone who may write there may also rename or remove
+            # what this run made (rank<N>, the activation plan) and put their own in its place
+            log.warning("%s %s is writable by other users and has no sticky bit: another user "
+                        "could replace the entries this run makes there; use a directory of "
+                        "your own, or a sticky one like /tmp", flag, self.root)
         try:
             # made 0700, or taken only when it is a real directory of ours (never a link)
             private_dir(self.path, what="rank directory")
@@ -228,15 +236,36 @@ class RankDir:
     # ------------------------------------------------------------ cleanup
 
     def close(self):
-        """Clean exit: remove the lock file (swap files are removed by their owners)."""
+        """Clean exit: remove the lock file (swap files are removed by their owners). Returns
+        [(path, bytes, OSError)] of what could not be removed; the lock is released anyway."""
+        left = []
         if self._lock_fd >= 0:
             try:
                 os.unlink(self.lock_path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                left.append((self.lock_path, os.fstat(self._lock_fd).st_size, exc))
             os.close(self._lock_fd)   # releases the flock
             self._lock_fd = -1
             try:
                 os.rmdir(self.path)   # only when empty
             except OSError:
                 pass
+        return left
+
+    def left_behind(self, left) -> OffloadDirError:
+        """The error for files of this run that could not be removed at its end:
+        ``left`` is [(path, bytes, OSError)]."""
+        def amount(nbytes):
+            return f"{nbytes} bytes" if nbytes < 1 << 20 else sizes.size(nbytes)
+
+        reasons = "; ".join(sorted({exc.strerror or str(exc) for _, _, exc in left})).lower()
+        files = ", ".join(f"{os.path.basename(path)} ({amount(nbytes)})"
+                          for path, nbytes, _ in left)
+        total = amount(sum(nbytes for _, nbytes, _ in left))
+        return OffloadDirError(
+            f"{self.path}: {len(left)} file(s) of this run, {total} in all, could not be "
+            f"removed at its end ({reasons}): {files}. Its permissions changed during the "
+            f"run? Restore them (chmod 0700 {self.path}) and remove the files; nothing reads "
+            f"them again (the next run on --snake-offload-dir {self.root} removes them too)")

@@ -1,12 +1,15 @@
 """Exceptions of the storage layer. Every message names the path and what to do."""
 
+from megatron_snake.errors import UserError
+
 
 class OffloadError(RuntimeError):
     """Base class of every storage-layer error."""
 
 
-class OffloadDirError(OffloadError):
-    """The offload directory is missing, not a directory, read-only, or locked by another job."""
+class OffloadDirError(OffloadError, UserError):
+    """The offload directory is missing, not a directory, read-only, or locked by another job;
+    or its files could not be removed at the end (its permissions changed during the run)."""
 
 
 class CapacityError(OffloadError):

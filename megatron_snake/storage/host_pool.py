@@ -10,6 +10,7 @@ A resident request that could never be met (the limit minus what is already resi
 keeping one buffer for staging) raises HostMemoryError at once instead of waiting forever.
 """
 
+import os
 import threading
 import time
 
@@ -17,19 +18,33 @@ import torch
 
 import megatron_snake.timeline as timeline
 from megatron_snake.storage.errors import HostMemoryError
+from megatron_snake.storage.sizes import size
 
 PAGE = 4096
 DEFAULT_BUFFER_BYTES = 8 << 20
 
 
-def check_host_memory_limit(limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES) -> int:
+def physical_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory_limit(limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES, *,
+                            physical_bytes: int | None = None) -> int:
     """``--snake-host-memory-limit`` must hold at least two buffers (one resident or
-    staging, one always free for staging); returns how many it holds."""
+    staging, one always free for staging) and, for a pool on a machine with
+    ``physical_bytes`` of memory, fit in that memory (a larger limit bounds nothing: the
+    pool would be killed or swapped out before it reached it); returns how many it holds."""
     count = int(limit_bytes) // buffer_bytes
     if count < 2:
         raise HostMemoryError(
             f"--snake-host-memory-limit {limit_bytes} bytes holds fewer than 2 host buffers "
             f"of {buffer_bytes >> 20} MiB; give at least {2 * buffer_bytes >> 20}MiB")
+    if physical_bytes is not None and limit_bytes > physical_bytes:
+        raise HostMemoryError(
+            f"--snake-host-memory-limit {size(limit_bytes)} is more than this machine's "
+            f"physical memory ({size(physical_bytes)}); give at most that, less what the "
+            "rest of the run needs")
     return count
 
 
@@ -61,7 +76,8 @@ class HostBufferPool:
     def __init__(self, limit_bytes, buffer_bytes=DEFAULT_BUFFER_BYTES, pin=None):
         if buffer_bytes % PAGE:
             raise ValueError(f"host buffer size {buffer_bytes} is not a multiple of {PAGE}")
-        count = check_host_memory_limit(limit_bytes, buffer_bytes)
+        count = check_host_memory_limit(limit_bytes, buffer_bytes,
+                                        physical_bytes=physical_memory_bytes())
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self.limit_bytes, self.buffer_bytes, self.count = int(limit_bytes), buffer_bytes, count
         self._free = []          # created, not in use

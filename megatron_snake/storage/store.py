@@ -44,7 +44,7 @@ import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.storage.directory import RankDir
 from megatron_snake.storage.engine import make_engine
-from megatron_snake.storage.errors import IntegrityError, OffloadIOError
+from megatron_snake.storage.errors import IntegrityError, OffloadDirError, OffloadIOError
 from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, HostBufferPool
 from megatron_snake.storage.sizes import TIERS, gb
 from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
@@ -645,7 +645,9 @@ class TensorStore:
                 f"{self.engine.name}{'' if self._all_direct() else ' buffered'}")
 
     def close(self, remove_files=True):
-        """Wait for pending work, remove the swap files and the lock (clean exit)."""
+        """Wait for pending work, remove the swap files and the lock (clean exit). A file
+        that cannot be removed (the directory's permissions changed during the run) is
+        reported after everything else is closed, in one OffloadDirError naming the files."""
         if self._closed:
             return
         self._closed = True
@@ -655,16 +657,29 @@ class TensorStore:
         self.engine.close()
         if self.gds is not None:
             self.gds.close()
+        left = []   # [(path, bytes, OSError)]
         for f in self._files.values():
-            f.close(remove=remove_files)
+            nbytes = f.size
+            try:
+                f.close(remove=remove_files)
+            except OSError as exc:
+                left.append((f.path, nbytes, exc))
         self.pool.close()
-        self.dir.close()
+        left += self.dir.close()
+        if left:
+            raise self.dir.left_behind(left)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.close()
+        try:
+            self.close()
+        except OffloadDirError as err:
+            if exc is None:
+                raise
+            # the error that ended the run is the one to see; the files left are logged
+            log.error("%s", err)
 
     # ================================================================ helpers
 

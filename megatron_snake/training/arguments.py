@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -26,7 +27,8 @@ from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
 from megatron_snake.storage.errors import OffloadError
-from megatron_snake.storage.host_pool import check_host_memory_limit
+from megatron_snake.storage.host_pool import (check_host_memory_limit,
+                                             physical_memory_bytes)
 from megatron_snake.storage.sizes import parse_size
 from megatron_snake.training.distributed import data_parallel_size
 from megatron_snake.training.tokenizer import (add_tokenizer_args, build_tokenizer,
@@ -47,16 +49,33 @@ ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
 IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
 ZENFLOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZenFlowSettings)}
 # Ranges of single flags (a value outside crashed deep inside, or was silently misread).
+# A float flag is refused as NaN or infinite too. A flag left out (None) is not checked.
 AT_LEAST_ONE = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--log-interval",
                 "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                 "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
-                "--seq-length", "--make-vocab-size-divisible-by")
-AT_LEAST_ONE_IF_GIVEN = ("--exit-interval", "--save-interval", "--ffn-hidden-size",
-                         "--kv-channels", "--max-position-embeddings", "--lr-decay-iters")
+                "--seq-length", "--make-vocab-size-divisible-by", "--rotary-base",
+                "--hysteresis", "--snake-profile-iters", "--exit-interval", "--save-interval",
+                "--ffn-hidden-size", "--kv-channels", "--max-position-embeddings",
+                "--lr-decay-iters", "--snake-trace-iteration",
+                "--snake-activation-offload-min-bytes")   # SavedTensorOffloader's min_bytes
 AT_LEAST_ZERO = ("--eval-interval", "--eval-iters", "--lr-warmup-iters", "--lr", "--min-lr",
-                 "--lr-warmup-init", "--weight-decay", "--snake-activation-offload-min-bytes",
-                 "--num-workers")
+                 "--lr-warmup-init", "--weight-decay", "--num-workers", "--init-method-std")
+POSITIVE = ("--distributed-timeout-minutes", "--exit-duration-in-mins", "--norm-epsilon",
+            "--adam-eps", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
+            "--loss-scale-window")
 FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction")
+OPEN_UNIT = ("--adam-beta1", "--adam-beta2")   # torch's and Megatron's rule for Adam's betas
+ABOVE_ZERO_TO_ONE = ("--rotary-percent",)
+RANGES = ((AT_LEAST_ONE, lambda v: v >= 1, ">= 1"),
+          (AT_LEAST_ZERO, lambda v: v >= 0, ">= 0"),
+          (POSITIVE, lambda v: v > 0, "> 0"),
+          (FRACTIONS, lambda v: 0 <= v <= 1, "between 0 and 1"),
+          (OPEN_UNIT, lambda v: 0 <= v < 1, "in [0, 1)"),
+          (ABOVE_ZERO_TO_ONE, lambda v: 0 < v <= 1, "in (0, 1]"))
+# numpy's seeds are 0 .. 2**32 - 1, and set_seed adds 100 per pipeline stage
+SEED_LIMIT = 2 ** 32 - 1
+SEED_STAGE_OFFSET = 100
+DEFAULT_TRACE_ITERATION = 2   # the first steady iteration
 PATHS = ("--save", "--load", "--pretrained-checkpoint", "--snake-offload-dir", "--snake-plan-json", "--data-cache-path",
          "--tensorboard-dir", "--wandb-save-dir")
 
@@ -197,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="refuse a --load directory that holds no checkpoint (by default the "
                         "run starts from scratch, as in Megatron-LM)")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load iteration N of --load, whatever its "
+                        "latest_checkpointed_iteration.txt says")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights from --load: iteration, consumed samples, "
                         "optimizer and RNG start afresh")
@@ -313,9 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/plot_timeline.py) of one training iteration to FILE: compute, "
                         "each store worker, the drive, the optimizer worker, collectives and "
                         "waits, one row per thread")
-    g.add_argument("--snake-trace-iteration", type=int, default=2,
-                   help="the iteration of this run --snake-trace records, counted from 1 "
-                        "(default 2: the first steady one; the last if the run is shorter)")
+    g.add_argument("--snake-trace-iteration", type=int, default=None,
+                   help="the iteration of this run --snake-trace records, counted from 1, at "
+                        "most --train-iters (default "
+                        f"{DEFAULT_TRACE_ITERATION}: the first steady one; the last if the "
+                        "run is shorter)")
     g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
                    help="how offloaded bytes reach the drive: auto (native io_uring, else "
                         "the native thread pool, else Python), uring, threads (the native "
@@ -397,11 +421,17 @@ def _validate_data(args, parser) -> None:
 
 
 def _validate_trace(args, parser) -> None:
-    if args.snake_trace_iteration < 1:
-        _fail(parser, "--snake-trace-iteration", "must be >= 1 (iterations of this run "
-              f"count from 1), got {args.snake_trace_iteration}")
+    given = args.snake_trace_iteration
     if args.snake_trace is None:
+        if given is not None:
+            _fail(parser, "--snake-trace-iteration", "chooses the iteration --snake-trace "
+                  "records; add --snake-trace FILE or drop the flag")
         return
+    if given is not None and given > args.train_iters:
+        _fail(parser, "--snake-trace-iteration", f"{given} is never reached in a run of "
+              f"--train-iters {args.train_iters}; give 1 to {args.train_iters}")
+    if given is None:   # the default: the loop takes the last iteration of a shorter run
+        args.snake_trace_iteration = DEFAULT_TRACE_ITERATION
     folder = os.path.dirname(os.path.abspath(args.snake_trace))
     if os.path.isdir(args.snake_trace) or not os.path.isdir(folder) or \
             not os.access(folder, os.W_OK):
@@ -419,6 +449,11 @@ def _validate_loading(args, parser) -> None:
         # with --pretrained-checkpoint, --load may be the --save directory not made yet
         _fail(parser, "--load", f"directory {args.load!r} does not exist; give the --save "
               "directory of an earlier run, or drop --load to start from scratch")
+    if args.ckpt_step is not None:
+        if args.load is None:
+            _fail(parser, "--ckpt-step", "names an iteration of --load; add --load")
+        if args.ckpt_step < 0:
+            _fail(parser, "--ckpt-step", f"must be >= 0, got {args.ckpt_step}")
     if args.finetune and args.load is None and args.pretrained_checkpoint is None:
         _fail(parser, "--finetune", "loads the weights of --load or --pretrained-checkpoint; "
               "add one of them")
@@ -435,8 +470,6 @@ def _validate_loading(args, parser) -> None:
 def _validate_tracking(args, parser) -> None:
     """TensorBoard, wandb, --profile and the early-exit clock."""
     _check(parser, check_tracking_args, args)
-    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
-        _fail(parser, "--exit-duration-in-mins", f"must be > 0, got {args.exit_duration_in_mins}")
     if not args.profile:
         return
     if not args.tensorboard_dir:
@@ -468,24 +501,25 @@ def _check(parser: argparse.ArgumentParser, rule, *values):
 
 
 def _validate_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Each flag's own range, before anything divides by it."""
-    def value(flag):
-        return getattr(args, flag[2:].replace("-", "_"))
-
-    for flag in AT_LEAST_ONE + AT_LEAST_ONE_IF_GIVEN:
-        if value(flag) is not None and value(flag) < 1:
-            _fail(parser, flag, f"must be >= 1, got {value(flag)}")
-    for flag in AT_LEAST_ZERO:
-        if value(flag) < 0:
-            _fail(parser, flag, f"must be >= 0, got {value(flag)}")
-    if not args.distributed_timeout_minutes > 0:
-        _fail(parser, "--distributed-timeout-minutes",
-              f"must be > 0, got {args.distributed_timeout_minutes}")
-    for flag in FRACTIONS:
-        if value(flag) is not None and not 0.0 <= value(flag) <= 1.0:
-            _fail(parser, flag, f"must be between 0 and 1, got {value(flag)}")
+    """Each flag's own range, before anything divides by it. The checks are written
+    ``not (finite and in range)``: NaN compares False with everything, so ``nan < 0`` would
+    let it through."""
+    for flags, in_range, accepted in RANGES:
+        for flag in flags:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is None:
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                _fail(parser, flag, f"must be a finite number {accepted}, got {value}")
+            if not in_range(value):
+                _fail(parser, flag, f"must be {accepted}, got {value}")
+    highest = SEED_LIMIT - SEED_STAGE_OFFSET * (args.pipeline_model_parallel_size - 1)
+    if not 0 <= args.seed <= highest:
+        _fail(parser, "--seed", f"must be between 0 and {highest} (numpy takes seeds below "
+              f"2**32, and each pipeline stage adds {SEED_STAGE_OFFSET}), got {args.seed}")
     for flag in PATHS:
-        if value(flag) is not None and not value(flag).strip():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
             _fail(parser, flag, "is an empty path; give a directory, or drop the flag")
     _check(parser, check_clip_grad, args.clip_grad)
 
@@ -543,6 +577,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     """Fill derived defaults and reject inconsistent flags, naming the flag at fault."""
     parser = parser or build_parser()
     _validate_ranges(args, parser)
+    planned_world = world_size
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.data_parallel_size = _check(
@@ -570,7 +605,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             except ValueError as exc:
                 _fail(parser, flag, str(exc))
     if args.snake_offload or args.snake_activation_offload:   # the store's host pool
-        _check(parser, check_host_memory_limit, args.snake_host_memory_limit)
+        # a world given by the caller is one being planned (tools/plan.py), perhaps for
+        # another machine, whose memory is its hardware profile's, not this one's
+        here = physical_memory_bytes() if planned_world is None else None
+        _check(parser, lambda: check_host_memory_limit(args.snake_host_memory_limit,
+                                                       physical_bytes=here))
     if args.snake_activation_tier is None:   # placed by the plan where there is one to make
         args.snake_activation_tier = "auto" if args.snake_offload and \
             args.snake_schedule == "vertical" else "nvme"
@@ -581,8 +620,6 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if args.snake_activation_tier == "auto" and args.snake_schedule == "horizontal":
         _fail(parser, "--snake-activation-tier", "auto plans the vertical schedule's "
               "checkpoints; the horizontal ablation has none to plan: use host or nvme")
-    if args.snake_activation_tier == "auto" and args.snake_profile_iters < 1:
-        _fail(parser, "--snake-profile-iters", "must be >= 1 with --snake-activation-tier auto")
     if args.snake_activation_offload and not args.snake_offload and \
             args.snake_activation_tier == "auto":
         _fail(parser, "--snake-activation-tier", "auto applies to the vertical schedule's "
@@ -632,6 +669,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"than --lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
     if args.min_lr > args.lr:
         _fail(parser, "--min-lr", f"{args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_init > args.lr:
+        _fail(parser, "--lr-warmup-init", f"{args.lr_warmup_init} is larger than --lr {args.lr}")
+    if args.fp16 and args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
+        _fail(parser, "--min-loss-scale", f"{args.min_loss_scale} is larger than "
+              f"--initial-loss-scale {args.initial_loss_scale}")
     _validate_loading(args, parser)
     if args.save_interval is not None and args.save is None:
         _fail(parser, "--save-interval", "needs --save DIR")

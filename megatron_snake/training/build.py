@@ -28,7 +28,8 @@ from megatron_snake.training import offloaded_state
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
 from megatron_snake.training.optimizer import (build_optimizer, build_scheduler,
                                                build_zenflow_optimizer)
-from megatron_snake.training.step import StepResult, make_forward_backward
+from megatron_snake.training.step import (StepResult, check_activation_plan_path,
+                                          make_forward_backward)
 
 
 @dataclass
@@ -112,6 +113,8 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
     """The run ``args`` describe, on ``device`` (Megatron's parallel state initialized).
     On exit the optimizer's pending updates land and the store's files are removed."""
     with offloaded_state.open_store(args, device, rank) as tensor_store:
+        # before the model and its offloaded state are built, not once they are
+        check_activation_plan_path(args, tensor_store)
         # offloaded: each layer's values go to the store as soon as Megatron initialises
         # them, so the model is never whole in memory
         initial = InitialWeights(tensor_store) if args.snake_offload else None

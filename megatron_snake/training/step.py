@@ -20,13 +20,15 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
 
-from megatron_snake.offload.activation_plan import ActivationPlanner
+from megatron_snake.offload.activation_plan import (ActivationPlanner, PlanPathError,
+                                                    check_plan_path)
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader, offloaded_forward_step
 from megatron_snake.schedule.loss import masked_loss_sum
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
 from megatron_snake.schedule.vertical import (horizontal_forward_backward,
                                               vertical_forward_backward)
+from megatron_snake.training.distributed import raise_unless_all_ranks_ok
 from megatron_snake.training.offloaded_state import forward_window, unit_working_set_bytes
 
 @dataclass
@@ -95,17 +97,40 @@ def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner
     if args.snake_gpu_memory_limit is not None and weights is not None:
         gpu_budget = args.snake_gpu_memory_limit - \
             unit_working_set_bytes(args, weights.params)[0] - weights.pinned_bytes()
-    path = args.snake_plan_json
-    if path is None and args.snake_offload_dir:
-        # beside this rank's directory (the flag may be a per-rank template)
-        path = os.path.join(os.path.dirname(tensor_store.dir.path),
-                            f"activation_plan_rank{tensor_store.dir.rank}.json")
+    path, default_in = activation_plan_path(args, tensor_store)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     return ActivationPlanner(tensor_store, device, profile_iters=args.snake_profile_iters,
                              gpu_budget_bytes=gpu_budget,
                              host_budget_bytes=args.snake_host_memory_limit // 2,
                              plan_path=path, log=print if rank0 else (lambda *a: None),
-                             keep_for_next_unit=forward_window(args))
+                             keep_for_next_unit=forward_window(args),
+                             plan_default_in=default_in)
+
+
+def activation_plan_path(args, tensor_store) -> tuple[str | None, str | None]:
+    """Where ``--snake-activation-tier auto`` writes its plan, and the offload directory
+    that path was made in when it is the default (None when --snake-plan-json gives it):
+    beside this rank's directory (the flag may be a per-rank template); no file without
+    either flag."""
+    if args.snake_plan_json is not None or not args.snake_offload_dir:
+        return args.snake_plan_json, None
+    root = tensor_store.dir.root
+    return os.path.join(root, f"activation_plan_rank{tensor_store.dir.rank}.json"), root
+
+
+def check_activation_plan_path(args, tensor_store) -> None:
+    """The plan's path, checked on every rank before any work (the planner checks it again
+    when it is made, after the model and its offloaded state are built)."""
+    if not (args.snake_offload and args.snake_activation_tier == "auto"):
+        return
+    error = None
+    try:
+        path, default_in = activation_plan_path(args, tensor_store)
+        if path:
+            check_plan_path(path, default_in)
+    except PlanPathError as exc:
+        error = exc
+    raise_unless_all_ranks_ok(error, "activation plan path check")
 
 
 def make_forward_backward(args, tensor_store=None, device=None, weights=None,
