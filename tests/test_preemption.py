@@ -40,14 +40,16 @@ def _run(tmp_path, *extra) -> subprocess.CompletedProcess:
 
 
 def _start_and_signal(tmp_path, sig, *extra, after_iteration=2):
-    """Start a run and send it ``sig`` once it has logged ``after_iteration``."""
+    """Start a run and send ``sig`` to its whole process group (as torchrun and Slurm do:
+    the DataLoader's worker processes get it too) once it has logged ``after_iteration``."""
     proc = subprocess.Popen([sys.executable, SCRIPT, *FLAGS, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+                            stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+                            start_new_session=True)
     out = []
     for line in proc.stdout:
         out.append(line)
         if re.search(rf"iteration +{after_iteration}/", line):
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
             break
     rest, err = proc.communicate(timeout=600)
     return proc.returncode, "".join(out) + rest, err
@@ -58,6 +60,7 @@ def _offload_dirs(tmp_path) -> list[str]:
 
 
 def test_sigterm_saves_cleans_up_and_resumes_exactly(tmp_path):
+    """With --num-workers' default of 2 DataLoader workers, which get the signal too."""
     full = _losses(_run(tmp_path).stdout)
     ckpt = tmp_path / "ckpt"
     code, out, err = _start_and_signal(tmp_path, signal.SIGTERM, "--exit-signal-handler",

@@ -1,13 +1,16 @@
 """examples/pretrain_gpt.slurm: bash accepts it, and what it launches is right. The script
 runs here with stand-ins for srun, scontrol and torchrun; each node's torchrun arguments
 are checked, and the pretrain_gpt.py flags go through parse_args for the job's world size
-(the script's nodes x GPUs per node)."""
+(the script's nodes x GPUs per node). The preemption traps run against stand-ins too;
+tests/test_slurm_real.py runs the script under a real, local Slurm."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 
 from megatron_snake.training.arguments import parse_args
 from megatron_snake.training.offloaded_state import offload_dir_for_rank
@@ -32,9 +35,9 @@ def _sbatch(option: str) -> int:
         return int(re.search(rf"^#SBATCH --{option}=(\d+)", f.read(), re.M).group(1))
 
 
-def _launch(tmp_path, **stubs) -> dict[int, list[str]]:
-    """Run the batch script as Slurm would on a job of its own size (``stubs`` replace
-    stand-ins); each node's torchrun arguments."""
+def _env(tmp_path, **stubs) -> dict:
+    """The batch script's environment on a job of its own size, with the stand-ins
+    (``stubs`` replace them) first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in {**STUBS, **stubs}.items():
@@ -46,11 +49,16 @@ def _launch(tmp_path, **stubs) -> dict[int, list[str]]:
                SLURM_JOB_ID=str(JOB_ID), SLURM_CPUS_PER_TASK=str(_sbatch("cpus-per-task")),
                SHARED=str(tmp_path / "shared"), NVME=str(tmp_path / "nvme"), USER="me")
     env.pop("MASTER_PORT", None)
-    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return env
+
+
+def _launch(tmp_path, **stubs) -> dict[int, list[str]]:
+    """Run the batch script as Slurm would; each node's torchrun arguments."""
+    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=_env(tmp_path, **stubs),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return {n: (tmp_path / f"torchrun.{n}").read_text().split("\0")[:-1]
-            for n in range(nodes)}
+            for n in range(_sbatch("nodes"))}
 
 
 def test_slurm_script_is_valid_bash():
@@ -102,3 +110,54 @@ def test_a_long_node_list_does_not_stop_the_script(tmp_path):
     long_list = 'for ((n = 0; n < 20000; n++)); do echo "node$n"; done\n'
     launched = _launch(tmp_path, scontrol=long_list)
     assert launched[0][launched[0].index("--master-addr") + 1] == "node0"
+
+
+# The job's steps until they are stopped: srun waits for scancel (the ranks' SIGTERM), then
+# exits 1, as torchrun does after a SIGTERM even when its ranks saved and left.
+PREEMPTION_STUBS = {
+    "srun": 'touch "$OUT/started"\n'
+            'while [ ! -e "$OUT/stopped" ]; do sleep 0.05; done\nexit 1\n',
+    "scancel": 'echo "scancel $*" >> "$OUT/calls"; touch "$OUT/stopped"\n',
+    "scontrol": 'if [ "$1" = requeue ]; then echo "scontrol $*" >> "$OUT/calls"\n'
+                'else echo node0; echo node1; fi\n',
+}
+
+
+def _signalled(tmp_path, sig) -> tuple[int, list[str], str]:
+    """Start the script, send ``sig`` to it (the batch shell alone) once srun runs; its exit
+    status, the scancel and scontrol requeue calls it made, its output."""
+    proc = subprocess.Popen(["bash", SCRIPT], cwd=ROOT,
+                            env=_env(tmp_path, **PREEMPTION_STUBS),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    if sig != signal.SIGUSR1:      # Slurm stops the steps itself
+        time.sleep(0.3)
+        (tmp_path / "stopped").touch()
+    out = proc.communicate(timeout=30)[0]
+    calls = tmp_path / "calls"
+    return proc.returncode, calls.read_text().splitlines() if calls.exists() else [], out
+
+
+def test_the_time_limit_signal_stops_the_steps_then_requeues(tmp_path):
+    """--signal=B:USR1@300: USR1 reaches the batch shell alone. The script sends SIGTERM to
+    the steps (scancel, not to srun, which would kill its tasks), waits for srun and
+    requeues the job. tests/test_slurm_real.py runs it under a real Slurm."""
+    assert "#SBATCH --signal=B:USR1@" in open(SCRIPT).read()
+    assert re.search(r"^#SBATCH --requeue$", open(SCRIPT).read(), re.M)
+    code, calls, out = _signalled(tmp_path, signal.SIGUSR1)
+    assert code == 0, out
+    assert calls == [f"scancel --signal=TERM {JOB_ID}", f"scontrol requeue {JOB_ID}"], out
+    assert f"requeueing job {JOB_ID} (srun exited with 1)" in out
+
+
+def test_a_preemption_leaves_the_requeue_to_slurm(tmp_path):
+    """SIGTERM reaches every process of the job (scontrol requeue, PreemptMode=REQUEUE, or
+    scancel): the script waits for srun, requeues nothing and exits with srun's status."""
+    code, calls, out = _signalled(tmp_path, signal.SIGTERM)
+    assert code == 1, out
+    assert calls == [], out
+    assert "SIGTERM: Slurm is stopping the job" in out

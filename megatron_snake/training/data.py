@@ -18,6 +18,7 @@ import copy
 import hashlib
 import logging
 import os
+import signal
 import struct
 import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -510,6 +511,14 @@ def _windows(total, mbs, dp_rank, dp_size, consumed):
         consumed += window
 
 
+def _leave_sigterm_to_the_rank(_worker_id: int) -> None:
+    """A DataLoader worker ignores SIGTERM. torchrun and Slurm signal a rank's whole
+    process group; a worker killed by it would end the rank with "DataLoader worker is
+    killed by signal" before --exit-signal-handler could finish the iteration and save.
+    The rank stops its workers itself when it exits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers):
     total, window = len(dataset), mbs * dp_size
     indices = _windows(total, mbs, dp_rank, dp_size, consumed)
@@ -519,7 +528,7 @@ def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers
         # seeding the workers must not draw from the global RNG dropout uses.
         batches = iter(DataLoader(
             dataset, batch_sampler=indices, collate_fn=collate, num_workers=num_workers,
-            generator=torch.Generator()))
+            generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_rank))
     else:
         batches = (collate([dataset[i] for i in idx]) for idx in indices)
     for batch in batches:
