@@ -34,6 +34,32 @@ def tiny_args(*extra: str):
     return parse_args(base + list(extra))
 
 
+def checkpoint_flags(ckpt_format: str) -> list[str]:
+    """pretrain_gpt's flags for the small offloaded run whose checkpoint the fault tests save
+    and break (dropout on: resuming exactly needs the RNG streams and the data position back
+    too)."""
+    return ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "6",
+            "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "5",
+            "--train-iters", "4", "--deterministic-mode", "--snake-offload",
+            "--ckpt-format", ckpt_format]
+
+
+@pytest.fixture(scope="module")
+def saved(megatron_world, tmp_path_factory, saved_format):
+    """A real checkpoint of iteration 2 of ``checkpoint_flags(saved_format)`` (the run
+    stopped by --exit-interval 2), saved once per module; the module names its format with
+    a ``saved_format`` fixture."""
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    root = tmp_path_factory.mktemp("saved") / "ckpt"
+    pretrain(parse_args([*checkpoint_flags(saved_format), "--exit-interval", "2",
+                         "--save", str(root)]))
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    return root
+
+
 def build_model(args, device, seed: int = 7):
     from megatron_snake.training.distributed import set_seed
     from megatron_snake.training.model import build_gpt_model

@@ -18,17 +18,15 @@ import subprocess
 import pytest
 import torch
 
+from conftest import checkpoint_flags
 from megatron_snake.training import checkpointing
 from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.checkpoint_dir import CheckpointChoiceError, find_checkpoint
+from megatron_snake.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
 from megatron_snake.training.loop import pretrain
 
-SMALL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "6",
-         "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "5"]
-# dropout on: resuming exactly needs the RNG streams and the data position back too
-# the torch format's own files (torch_dist's are Megatron's, tested in its own module)
-FLAGS = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--snake-offload",
-         "--ckpt-format", "torch"]
+# the torch format's own files (torch_dist's are Megatron's, tested in their own modules)
+FLAGS = checkpoint_flags("torch")
 STATE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -40,12 +38,9 @@ def full_run(megatron_world):
 
 
 @pytest.fixture(scope="module")
-def saved(megatron_world, tmp_path_factory):
-    """A real checkpoint of iteration 2 (the run stopped by --exit-interval 2)."""
-    root = tmp_path_factory.mktemp("saved") / "ckpt"
-    pretrain(parse_args([*FLAGS, "--exit-interval", "2", "--save", str(root)]))
-    assert (root / TRACKER).read_text() == "2"
-    return root
+def saved_format():
+    """The format of ``saved`` (conftest): a real checkpoint of iteration 2 of FLAGS."""
+    return "torch"
 
 
 def _copy(saved, tmp_path) -> tuple[str, str]:
@@ -120,7 +115,8 @@ def test_the_format_needs_only_torchs_allowlist_and_bytesio(saved, tmp_path):
     finally:
         torch.serialization.add_safe_globals(registered)
     assert state["iteration"] == 2
-    checkpointing.load_checkpoint(str(saved), args=parse_args([*FLAGS, "--load", str(saved)]))
+    checkpointing.load_checkpoint(find_checkpoint(str(saved)),
+                                  args=parse_args([*FLAGS, "--load", str(saved)]))
     assert set(map(id, torch.serialization.get_safe_globals())) == set(map(id, registered))
 
     root = tmp_path / "ckpt"
@@ -315,7 +311,7 @@ def _save(root, iteration, optimizer_state=None, model_state=None):
 
 
 def _load(root) -> dict:
-    return checkpointing.load_checkpoint(str(root),
+    return checkpointing.load_checkpoint(find_checkpoint(str(root)),
                                          args=parse_args([*FLAGS, "--load", str(root)]))
 
 
@@ -323,19 +319,32 @@ def _mode(path) -> int:
     return os.lstat(path).st_mode & 0o777
 
 
-def test_files_are_0600_in_0700_directories(megatron_world, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_files_are_0600_in_0700_directories(megatron_world, tmp_path, ckpt_format):
     root = tmp_path / "new" / "ckpt"   # missing: made 0700
+    flags = checkpoint_flags(ckpt_format)
     old = os.umask(0)                 # whatever the umask
     try:
-        _save(root, 3)
+        if ckpt_format == "torch":
+            _save(root, 3)
+        else:   # Megatron's files (its and torch's own writers make them 0644)
+            pretrain(parse_args([*flags, "--exit-interval", "3", "--save", str(root)]))
     finally:
         os.umask(old)
-    rank_dir = root / "iter_0000003" / "mp_rank_00"
-    assert {p: oct(_mode(p)) for p in (root, root / "iter_0000003", rank_dir)} == \
-        {p: "0o700" for p in (root, root / "iter_0000003", rank_dir)}
-    files = (rank_dir / STATE, rank_dir / (STATE + ".sha256.json"), root / TRACKER)
-    assert {p: oct(_mode(p)) for p in files} == {p: "0o600" for p in files}
-    assert _load(root)["iteration"] == 3
+    modes = {}
+    for folder, _, names in os.walk(root):
+        modes[folder] = oct(_mode(folder))
+        modes.update((os.path.join(folder, n), oct(_mode(os.path.join(folder, n))))
+                     for n in names)
+    assert modes == {p: "0o700" if os.path.isdir(p) else "0o600" for p in modes}
+    written = {os.path.relpath(p, root) for p in modes}
+    files = ([f"mp_rank_00/{STATE}", f"mp_rank_00/{STATE}.sha256.json"] if ckpt_format ==
+             "torch" else [".metadata", "__0_0.distcp", "common.pt", "metadata.json"])
+    assert {TRACKER, *(f"iter_0000003/{n}" for n in files)} <= written, written
+    if ckpt_format == "torch":
+        assert _load(root)["iteration"] == 3
+    else:
+        assert len(pretrain(parse_args([*flags, "--load", str(root)]))) == 1
 
 
 @pytest.fixture
@@ -361,13 +370,14 @@ def victims(tmp_path):
 
 def test_links_planted_in_the_save_directory_are_not_followed(megatron_world, tmp_path,
                                                               victims):
-    """Links at the temporary iteration directory, the final one, the tracker and the
-    tracker's temporary names: the save replaces them (never writes through them)."""
+    """Links at the temporary iteration directory, the tracker and the tracker's temporary
+    names: the save replaces them (never writes through them). A link at the final
+    iteration directory's name is an entry the run did not write: the save is refused and
+    the link stays as it was."""
     victim_file, victim_dir, unchanged = victims
     root = tmp_path / "ckpt"
     root.mkdir()
     os.symlink(victim_dir, root / "iter_0000003.tmp")
-    os.symlink(victim_dir, root / "iter_0000003")
     for name in (TRACKER + ".tmp", TRACKER + ".part", TRACKER):
         os.symlink(victim_file, root / name)
     _save(root, 3)
@@ -375,6 +385,11 @@ def test_links_planted_in_the_save_directory_are_not_followed(megatron_world, tm
     for name in ("iter_0000003", TRACKER):
         assert not os.path.islink(root / name)
     assert _load(root)["iteration"] == 3
+    os.symlink(victim_dir, root / "iter_0000005")
+    with pytest.raises(CheckpointChoiceError, match="iter_0000005 appeared .* not replaced"):
+        _save(root, 5)
+    unchanged()
+    assert os.readlink(root / "iter_0000005") == str(victim_dir)
     # the --save directory itself may be a link: the user's choice
     os.symlink(root, tmp_path / "via_link")
     _save(tmp_path / "via_link", 4)
@@ -546,3 +561,161 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_
     assert losses(resumed.stdout) == full[2:]
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
+
+
+# --- which checkpoint --load takes, and what --save may replace ------------------------------
+def _tree(root) -> dict:
+    """Every file under ``root`` and its bytes' hash, and every link and its target: what
+    must stay as it was when a run is refused."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                found[path] = ("link", os.readlink(path))
+            elif os.path.isfile(path):
+                found[path] = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+    return found
+
+
+def _refused(flags, error=CheckpointChoiceError) -> str:
+    """The one-line message ``pretrain`` refuses ``flags`` with."""
+    with pytest.raises(error) as caught:
+        pretrain(parse_args(flags))
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+def _break_tracker(tracker: pathlib.Path, how: str, elsewhere: pathlib.Path) -> None:
+    tracker.unlink()
+    if how == "fifo":
+        os.mkfifo(tracker)
+    elif how == "directory":
+        tracker.mkdir()
+    elif how == "dangling link":
+        os.symlink(elsewhere / "gone", tracker)
+    elif how == "link to another file":
+        secret = elsewhere / "secret"
+        secret.write_text("4 root:secret-hash\n")
+        os.symlink(secret, tracker)
+    elif how == "not a number":
+        tracker.write_text("four")
+
+
+@pytest.mark.parametrize("how", ["missing", "fifo", "directory", "dangling link",
+                                 "link to another file", "not a number"])
+def test_iterations_without_a_readable_tracker_are_never_trained_over(saved, full_run,
+                                                                      tmp_path, how):
+    """Megatron-LM trains from scratch here and replaces iter_0000002 at iteration 2:
+    refused, naming the iteration there and --ckpt-step, nothing changed (no FIFO opened,
+    no link followed or echoed); --ckpt-step 2 then resumes it exactly."""
+    root, _ = _copy(saved, tmp_path)
+    _break_tracker(pathlib.Path(root, TRACKER), how, tmp_path)
+    before = _tree(root)
+    message = _refused([*FLAGS, "--load", root, "--save", root])
+    assert message.startswith(f"--load {root}: ") and "--ckpt-step 2" in message, message
+    assert "secret" not in message
+    assert _tree(root) == before
+    assert pretrain(parse_args([*FLAGS, "--load", root, "--ckpt-step", "2"])) == full_run[2:]
+
+
+def test_a_save_never_replaces_an_iteration_the_run_did_not_write(saved, tmp_path):
+    """A run from scratch into a --save directory that holds iteration 2, and a run
+    resumed from iteration 2 into one that holds iteration 4 of another run: both refused
+    at start, before anything is built, and nothing in --save changes."""
+    root, _ = _copy(saved, tmp_path)
+    before = _tree(root)
+    message = _refused([*FLAGS, "--save", root])
+    assert "already holds iteration 2, which this run (from iteration 0 to 4) would write " \
+           "over" in message, message
+    shutil.copytree(os.path.join(root, "iter_0000002"), os.path.join(root, "iter_0000004"))
+    before = _tree(root)
+    message = _refused([*FLAGS, "--load", root, "--save", root])
+    assert "already holds iteration 4" in message and "--ckpt-step 4" in message, message
+    assert _tree(root) == before
+
+
+def _rewrite_state(path: str, **changes) -> None:
+    """The state file with ``changes`` made (None: the entry dropped), signed again."""
+    state = torch.load(path, weights_only=False)
+    for key, value in changes.items():
+        if value is None:
+            del state[key]
+        else:
+            state[key] = value
+    torch.save(state, path)
+    _resign(path)
+
+
+@pytest.mark.parametrize("stored", [-5, 3])
+def test_the_stored_iteration_must_be_the_trackers_and_the_directorys(saved, tmp_path,
+                                                                     stored):
+    root, path = _copy(saved, tmp_path)
+    _rewrite_state(path, iteration=stored)
+    message = _refused([*FLAGS, "--load", root], CheckpointCorruptError)
+    assert f"iter_0000002 holds iteration {stored!r}, but {TRACKER} and the directory's " \
+           "name say 2" in message, message
+
+
+def test_an_iteration_directory_that_is_a_link_or_beyond_train_iters_is_refused(saved,
+                                                                              tmp_path):
+    """A link from another run's directory (which holds iteration 2) where the tracker
+    names 4 is not followed; a checkpoint at iteration 10**12 is beyond --train-iters 4
+    (not a silent exit with nothing trained)."""
+    root, _ = _copy(saved, tmp_path)
+    os.symlink(saved / "iter_0000002", os.path.join(root, "iter_0000004"))
+    pathlib.Path(root, TRACKER).write_text("4")
+    message = _refused([*FLAGS, "--load", root])
+    assert "iter_0000004 is a symbolic link" in message, message
+    os.unlink(os.path.join(root, "iter_0000004"))
+    big = 10 ** 12
+    os.rename(os.path.join(root, "iter_0000002"), os.path.join(root, f"iter_{big}"))
+    _rewrite_state(os.path.join(root, f"iter_{big}", "mp_rank_00", STATE), iteration=big)
+    pathlib.Path(root, TRACKER).write_text(str(big))
+    message = _refused([*FLAGS, "--load", root])
+    assert f"at iteration {big}, beyond --train-iters 4: nothing to train" in message, message
+
+
+def _rewrite_unit(path: str, change) -> None:
+    """The unit file with ``change(entry)`` applied, written (and signed) as a save does."""
+    root = str(pathlib.Path(path).parents[2])
+    entry = {k: v.clone() if torch.is_tensor(v) else v
+             for k, v in checkpointing._read_unit(root, path, 0).items()}
+    change(entry)
+    os.unlink(path)
+    checkpointing._write_unit(path, 0, entry)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda e: e.update(weights=e["weights"].view(torch.uint8)),
+     "record 'weights' is uint8 [54912], where this run's is float32 [13728]"),
+    (lambda e: e.update(weights=e["weights"][:100]),
+     "record 'weights' is float32 [100], where this run's is float32 [13728]"),
+    (lambda e: e.update(exp_avg=e["exp_avg"].half()),
+     "record 'exp_avg' is float16 [13728], where this run's is float32 [13728]"),
+    (lambda e: e.update({"../../weights": e.pop("weights")}),
+     "is not a named tensor record"),
+    (lambda e: e.pop("weights"), "lacks the record(s) ['weights']"),
+    (lambda e: e.update(segments=5), "unit 0 does not match this model"),
+])
+def test_a_unit_record_other_than_the_layout_is_refused(saved, tmp_path, change, says):
+    """Each record of a unit file is checked against this run's layout (shape and dtype),
+    even when its checksum was written to match: none is converted and trained on."""
+    root, _ = _copy(saved, tmp_path)
+    unit = os.path.join(root, "iter_0000002", "mp_rank_00", "unit_0.bin")
+    _rewrite_unit(unit, change)
+    with pytest.raises((CheckpointCorruptError, CheckpointMismatchError)) as caught:
+        pretrain(parse_args([*FLAGS, "--load", root]))
+    message = str(caught.value)
+    assert message.startswith(f"--load {root}: {unit}") and says in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("entry", ["snake", "units", "model"])
+def test_a_state_file_without_an_entry_is_refused_naming_it(saved, tmp_path, entry):
+    root, path = _copy(saved, tmp_path)
+    _rewrite_state(path, **{entry: None})
+    message = _refused([*FLAGS, "--load", root], CheckpointCorruptError)
+    assert message.startswith(f"--load {root}: {path} is corrupt (its entry {entry!r} is "
+                              "NoneType"), message

@@ -11,6 +11,8 @@ import shutil
 import pytest
 
 from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.checkpoint_dir import CheckpointChoiceError
+from megatron_snake.training.checkpointing import CheckpointMismatchError
 from megatron_snake.training.loop import pretrain
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -113,7 +115,7 @@ def test_another_parallel_layout_is_named(megatron_world, tmp_path, renamed, say
     for name in renamed:
         shutil.copytree(it / "mp_rank_00", it / name)
     shutil.rmtree(it / "mp_rank_00")
-    with pytest.raises(FileNotFoundError) as caught:
+    with pytest.raises(CheckpointMismatchError) as caught:
         pretrain(parse_args([*FLAGS, *SNAKE, "--train-iters", "6", "--load", str(copy)]))
     assert says in str(caught.value), caught.value
 
@@ -137,6 +139,6 @@ def test_an_empty_load_directory_starts_from_scratch_unless_refused(megatron_wor
     (tmp_path / "empty").mkdir()
     assert pretrain(parse_args([*flags, "--load", str(tmp_path / "empty")])) == fresh
     assert "holds no checkpoint yet: training starts from scratch" in capsys.readouterr().out
-    with pytest.raises(FileNotFoundError, match="--exit-on-missing-checkpoint"):
+    with pytest.raises(CheckpointChoiceError, match="--exit-on-missing-checkpoint"):
         pretrain(parse_args([*flags, "--load", str(tmp_path / "empty"),
                              "--exit-on-missing-checkpoint"]))

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import expect_flag_error
 from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.checkpoint_dir import find_checkpoint
 from megatron_snake.training.loop import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,7 +261,7 @@ def test_crash_during_save_keeps_previous_checkpoint(megatron_world, tmp_path, m
     monkeypatch.undo()
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-    assert checkpointing.latest_iteration(str(tmp_path)) == 2
+    assert find_checkpoint(str(tmp_path)).iteration == 2
     resumed = pretrain(parse_args([*flags, "--load", str(tmp_path), "--save-interval", "100"]))
     assert len(resumed) == 2
 

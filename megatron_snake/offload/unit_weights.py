@@ -24,6 +24,10 @@ from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import UnitStore
 
 
+class SavedUnitMismatch(ValueError):
+    """A saved unit's entry (a checkpoint's) is not this run's layout, record for record."""
+
+
 class OffloadedUnits(UnitStore):
     def __init__(self, unit_params: UnitParams, store, optimizer, *, device: torch.device,
                  dtype: torch.dtype, tier: str = "nvme", pinned=(), initial=None,
@@ -327,21 +331,14 @@ class OffloadedUnits(UnitStore):
     def load_unit_state(self, key, state: dict, *, optimizer: bool = True) -> None:
         """Put ``unit_state(key)``'s entry back: the unit's working weights into the store
         and, with ``optimizer``, the master weights and moments; returns when the store has
-        copied them (``state`` may be dropped then)."""
+        copied them (``state`` may be dropped then). An entry that is not this rank's
+        shard of this layout, record for record, raises ``SavedUnitMismatch``."""
+        self._check_saved_unit(key, state, optimizer)
         lay = self._layout(key)
         start, end, _ = self.dp.shard(lay.numel)
-        saved = [[name, list(shape), offset, numel]
-                 for name, shape, offset, numel in state["segments"]]
-        mine = [[seg.name, list(seg.shape), seg.offset, seg.numel] for seg in lay.segments]
-        if state["numel"] != lay.numel or list(state["shard"]) != [start, end] or saved != mine:
-            raise ValueError(f"checkpoint unit {key} does not match the model's (elements "
-                             f"{list(state['shard'])} of {state['numel']} saved, "
-                             f"{[start, end]} of {lay.numel} here; parameters "
-                             f"{[s[:2] for s in saved if s not in mine]} saved, "
-                             f"{[s[:2] for s in mine if s not in saved]} here)")
         handles = []
         if key != SHARED:
-            flat = state["weights"].to(self.dtype)
+            flat = state["weights"]
             handles += [self.store.put(("w", key, part), flat[lo - start:hi - start],
                                        tier=self.tier_of(key), kind="weights")
                         for part, (lo, hi) in self.record_parts(lay)]
@@ -349,6 +346,45 @@ class OffloadedUnits(UnitStore):
             handles += self.optimizer.load_layout_state(key, state)
         for handle in handles:
             handle.wait()
+
+    def _check_saved_unit(self, key, state: dict, optimizer: bool) -> None:
+        """The layout's size, this rank's element range and the parameters saved must be
+        this run's, and every record the save may write must have this rank's shard's
+        shape and its own dtype: the working weights this run's, the optimizer's fp32."""
+        lay = self._layout(key)
+        start, end, _ = self.dp.shard(lay.numel)
+        mine = [[seg.name, list(seg.shape), seg.offset, seg.numel] for seg in lay.segments]
+        saved = state.get("segments")
+        if state.get("numel") != lay.numel or state.get("shard") != [start, end] or \
+                saved != mine:
+            listed = saved if isinstance(saved, list) else []
+            raise SavedUnitMismatch(
+                f"unit {key} does not match this model (elements {state.get('shard')!r} of "
+                f"{state.get('numel')!r} saved, {[start, end]} of {lay.numel} here; "
+                f"parameters {[s[:2] for s in listed if s not in mine][:4]} saved, "
+                f"{[s[:2] for s in mine if s not in listed][:4]} here)")
+        records = {name: torch.float32 for name in STATES}
+        if key != SHARED:
+            records["weights"] = self.dtype
+        needed = {"weights"} | (set(STATES) if optimizer else set())
+        for name, value in state.items():
+            if name in ("numel", "shard", "segments"):
+                continue
+            if name not in records:
+                raise SavedUnitMismatch(f"unit {key} holds a record {name!r} that no save "
+                                        "writes")
+            if not (torch.is_tensor(value) and value.dtype == records[name] and
+                    tuple(value.shape) == (end - start,)):
+                shown = (f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+                         if torch.is_tensor(value) else type(value).__name__)
+                raise SavedUnitMismatch(
+                    f"unit {key}'s record {name!r} is {shown}, where this run's is "
+                    f"{str(records[name]).removeprefix('torch.')} [{end - start}]")
+        missing = sorted(n for n in needed & set(records) if n not in state)
+        if missing:
+            raise SavedUnitMismatch(f"unit {key} lacks the record(s) {missing}"
+                                    + (" (saved with --no-save-optim? pass --no-load-optim)"
+                                       if set(missing) & set(STATES) else ""))
 
     def model_state_dict(self, module: torch.nn.Module) -> dict:
         """The whole ``module.state_dict()``, every offloaded parameter read back from the

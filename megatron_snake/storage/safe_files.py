@@ -11,6 +11,7 @@ run makes inside it never is.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -95,6 +96,26 @@ def open_owned_file(path: str, *, what: str = "file", mode: int = 0o600,
     except UnsafePathError:
         os.close(fd)
         raise
+    return fd
+
+
+def open_regular_file(path: str, *, what: str = "file") -> int:
+    """Open the existing file ``path`` read-only, refusing a link (not followed) and anything
+    but a regular file. O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever;
+    it is cleared again once the file is known to be a regular one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UnsafePathError(f"{what} {path} is a symbolic link; the run reads only regular "
+                              "files, never through a link") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{what} {path} is not a regular file (mode "
+                              f"{stat.filemode(st.st_mode)}); the run reads only regular files")
+    os.set_blocking(fd, True)
     return fd
 
 

@@ -55,11 +55,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_snake.errors import UserError
+from megatron_snake.offload.unit_weights import SavedUnitMismatch
 from megatron_snake.storage.errors import UnsafePathError
 from megatron_snake.storage.safe_files import (create_file, fsync_dir, private_dir,
                                                write_file_atomically)
+from megatron_snake.training.checkpoint_dir import (TRACKER, Checkpoint, check_not_there,
+                                                    describe_saved, iter_dir)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "model_optim_rng.pt"
 CHECKSUM_SUFFIX = ".sha256.json"   # <file>.sha256.json: {"bytes", "sha256", ...} of <file>
 UNIT_FILE = "unit_{}.bin"          # one offloaded layout's state (--snake-offload)
@@ -99,17 +102,17 @@ _WRITE_BUFFER = 1 << 20      # small writes of torch.save are gathered up to thi
 _WRITE_CHUNK = 64 << 20      # one os.write at most
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointCorruptError(UserError, ValueError):
     """A checkpoint file is not the one that was saved (checksum or size mismatch, missing
     or unreadable checksum file). Names the file and what to do."""
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError, ValueError):
     """A checkpoint file holds objects other than tensors and plain values: refused
     without unpickling them."""
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(UserError, OSError):
     """A save failed in the file system (no space left, I/O error, ...). Names the path;
     the previous checkpoint and the tracker are unchanged."""
 
@@ -132,10 +135,6 @@ def _rank_dir_name(sharded: bool) -> str:
     if sharded and parallel_state.get_data_parallel_world_size() > 1:
         name += f"_dp{parallel_state.get_data_parallel_rank():03d}"
     return name
-
-
-def iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def rng_state() -> dict:
@@ -220,6 +219,7 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
 def begin_iteration_dir(root: str, iteration: int) -> str:
     """Rank 0 makes ``iter_<iteration>.tmp`` (0700, a crashed earlier attempt removed) under
     ``root``; every rank waits for it. Returns its path. Both formats write into it."""
+    check_not_there(root, iteration)   # on every rank, so that all of them stop
     tmp = iter_dir(root, iteration) + ".tmp"
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         with _failed_save(root, tmp, cleanup=tmp):
@@ -241,8 +241,7 @@ def publish_iteration_dir(root: str, iteration: int) -> str:
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         with _failed_save(root, final, cleanup=tmp):
             fsync_dir(tmp)        # the rank directories' entries
-            _remove(final)        # an earlier save of this same iteration
-            os.replace(tmp, final)
+            os.replace(tmp, final)   # begin_iteration_dir made sure nothing is there
             fsync_dir(root)
         tracker = os.path.join(root, TRACKER)
         with _failed_save(root, tracker, cleanup=None):
@@ -477,57 +476,88 @@ def _unlink(path: str) -> None:
 
 
 # --- loading -----------------------------------------------------------------------------
-def latest_iteration(root: str) -> int:
-    """The iteration ``root``'s tracker names."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        raise FileNotFoundError(
-            f"--load {root}: no {TRACKER} in it; is this a --save directory of megatron_snake?")
-    with open(tracker, "rb") as f:
-        text = f.read(64).decode("ascii", "replace").strip()
-    if not re.fullmatch(r"[0-9]+", text):
-        raise ValueError(f"--load {root}: {tracker} holds {text!r}, not an iteration number "
-                         f"(iterations {_iterations_here(root)})")
-    return int(text)
+class CheckpointMismatchError(UserError, ValueError):
+    """An intact checkpoint that does not fit this run: other settings, another parallel
+    layout or unit partition, or a part this run would take that it does not hold."""
 
 
-def load_checkpoint(root: str, *, args, optimizer: bool = True) -> dict:
-    """Read this rank's state from the latest checkpoint under ``root``, checked against
-    the flags of this run (``optimizer``: whether its optimizer state will be taken). The
-    caller applies its "model", "optimizer", "opt_param_scheduler" and "rng_state"
-    entries."""
-    iteration = latest_iteration(root)
-    path = os.path.join(_rank_path(root, iteration, args), STATE_FILE)
+def check_saved_iteration(root: str, folder: str, expected: int, saved) -> int:
+    """The iteration stored inside the checkpoint ``folder`` must be the one its tracker and
+    its directory name say (``expected``): a directory copied, renamed or linked from
+    another run is refused, in both formats. Returns it."""
+    if type(saved) is not int or saved != expected:
+        raise CheckpointCorruptError(
+            f"--load {root}: {folder} holds iteration {saved!r}, but {TRACKER} and the "
+            f"directory's name say {expected}: it was copied, renamed or linked from another "
+            f"checkpoint; restore it from a copy or load another iteration "
+            f"({describe_saved(root)})")
+    return saved
+
+
+# The state file's entries and their types (plain values: the unpickler allowed nothing
+# else); anything else is refused before a value is used.
+_STATE_ENTRIES = {"format_version": int, "iteration": int, "consumed_samples": int,
+                  "args": dict, "snake": dict, "model": dict, "optimizer": (dict, type(None)),
+                  "opt_param_scheduler": dict, "rng_state": (dict, type(None)), "units": list}
+_SNAKE_ENTRIES = {"offload": bool, "checkpoint_interval": int, "schedule": str,
+                  "alpha": (int, float, type(None))}
+
+
+def _check_state(root: str, path: str, state) -> None:
+    if not isinstance(state, dict):
+        raise _corrupt(root, path, f"it holds a {type(state).__name__}, not a state")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointMismatchError(f"--load {path}: format version "
+                                      f"{state.get('format_version')} is not {FORMAT_VERSION}")
+    for entries, where in ((_STATE_ENTRIES, state), (_SNAKE_ENTRIES, state.get("snake"))):
+        for name, kind in entries.items():
+            if not isinstance(where.get(name), kind) or isinstance(where.get(name), bool) \
+                    and kind is int:
+                raise _corrupt(root, path, f"its entry {name!r} is "
+                               f"{type(where.get(name)).__name__}, not what a save writes")
+    if state["consumed_samples"] < 0:
+        raise _corrupt(root, path, f"consumed_samples is {state['consumed_samples']}")
+
+
+def load_checkpoint(checkpoint: Checkpoint, *, args, optimizer: bool = True) -> dict:
+    """Read this rank's state from ``checkpoint`` (a torch-format iteration directory),
+    checked against the flags of this run (``optimizer``: whether its optimizer state will
+    be taken). The caller applies its "model", "optimizer", "opt_param_scheduler" and
+    "rng_state" entries."""
+    root, folder = checkpoint.root, checkpoint.folder
+    path = os.path.join(folder, _rank_dir_name(args.snake_offload), STATE_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--load {root}: checkpoint file {path} is missing"
-                                + _saved_layout_differs(iter_dir(root, iteration), args))
+        differs = _saved_layout_differs(folder, args)
+        if differs:
+            raise CheckpointMismatchError(f"--load {root}: checkpoint file {path} is "
+                                          f"missing{differs}")
+        raise CheckpointCorruptError(f"--load {root}: checkpoint file {path} is missing; "
+                                     f"restore it from a copy or load an earlier iteration "
+                                     f"({describe_saved(root)})")
     manifest = _read_checksum_file(root, path)
-    with open(path, "rb") as f:
+    with _open_saved(root, path) as f:
         _verify(root, path, f, manifest)
         f.seek(0)
         state = _unpickle(root, path, f)
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        version = state.get("format_version") if isinstance(state, dict) else None
-        raise ValueError(f"--load {path}: format version {version} is not {FORMAT_VERSION}")
+    _check_state(root, path, state)
+    check_saved_iteration(root, folder, checkpoint.iteration, state["iteration"])
     refuse_other_settings(root, state["args"], args, keys=tuple(state["args"]))
     if optimizer and state["optimizer"] is None:
-        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
-                         "holds no optimizer state; pass --no-load-optim (or --finetune)")
+        raise CheckpointMismatchError(
+            f"--load {root}: the checkpoint was saved with --no-save-optim and holds no "
+            "optimizer state; pass --no-load-optim (or --finetune)")
     if optimizer and state["snake"]["offload"] != args.snake_offload:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"--load {root}: the optimizer state was saved "
             f"{'with' if state['snake']['offload'] else 'without'} --snake-offload; load it "
             "the same way, or pass --no-load-optim to take only the weights")
-    units = state.get("units")
-    if not isinstance(units, list):
-        raise CheckpointCorruptError(f"--load {root}: {path} has no list of unit files")
-    for key in units:  # all there before anything is loaded (each is verified when read)
+    for key in state["units"]:  # all there before anything is loaded (each verified later)
         unit_path = _unit_path(root, os.path.dirname(path), key)
         if not os.path.isfile(unit_path):
             raise CheckpointCorruptError(
                 f"--load {root}: {unit_path} is missing ({os.path.basename(path)} lists it); "
                 "restore it from a copy or load an earlier iteration "
-                f"(iterations {_iterations_here(root)})")
+                f"({describe_saved(root)})")
         _read_checksum_file(root, unit_path)
     return state
 
@@ -538,8 +568,8 @@ def refuse_other_settings(root: str, saved: dict, args, *, keys=MUST_MATCH) -> N
     differ = [f"--{k.replace('_', '-')} saved {saved.get(k)!r} now {getattr(args, k)!r}"
               for k in keys if saved.get(k) != getattr(args, k)]
     if differ:
-        raise ValueError(f"--load {root}: the checkpoint was saved with other settings: "
-                         + ", ".join(differ))
+        raise CheckpointMismatchError(f"--load {root}: the checkpoint was saved with other "
+                                      "settings: " + ", ".join(differ))
 
 
 def load_units(root: str, state: dict, apply: Callable[[object, dict], None], *,
@@ -551,8 +581,14 @@ def load_units(root: str, state: dict, apply: Callable[[object, dict], None], *,
     and the plain values) and is dropped before the next file is read."""
     rank_dir = _rank_path(root, state["iteration"], args)
     for key in state["units"]:
-        entry = _read_unit(root, _unit_path(root, rank_dir, key), key)
-        apply(key, entry)
+        path = _unit_path(root, rank_dir, key)
+        entry = _read_unit(root, path, key)
+        try:
+            apply(key, entry)
+        except SavedUnitMismatch as exc:
+            raise CheckpointMismatchError(
+                f"--load {root}: {path} does not fit this run: {exc}; is it a checkpoint of "
+                "this model, saved with these flags?") from None
         del entry
 
 
@@ -566,17 +602,35 @@ def full_model_state(root: str, state: dict, *, args) -> dict:
     def add(key, entry):
         if "weights" not in entry:   # the shared layout's weights are in the state file
             return
-        if list(entry["shard"]) != [0, entry["numel"]]:
-            raise ValueError(
-                f"--load {root}: unit {key} holds elements {entry['shard']} of "
-                f"{entry['numel']} (a data-parallel shard); load it with --snake-offload and "
-                "the same data-parallel size")
-        weights = entry["weights"].clone()   # not a view of the whole file
-        for name, shape, offset, numel in entry["segments"]:
+        if entry.get("shard") != [0, entry.get("numel")]:
+            raise CheckpointMismatchError(
+                f"--load {root}: unit {key} holds elements {entry.get('shard')} of "
+                f"{entry.get('numel')} (a data-parallel shard); load it with --snake-offload "
+                "and the same data-parallel size")
+        weights = entry["weights"]
+        segments = entry.get("segments")
+        if not (weights.dim() == 1 and weights.numel() == entry["numel"] and
+                isinstance(segments, list) and all(_is_segment(s, entry["numel"])
+                                                   for s in segments)):
+            raise SavedUnitMismatch(f"unit {key}'s weights ({list(weights.shape)}) and "
+                                    f"parameters are not those of a unit of {entry['numel']} "
+                                    "elements")
+        weights = weights.clone()   # not a view of the whole file
+        for name, shape, offset, numel in segments:
             model[name] = weights[offset:offset + numel].view(shape)
 
     load_units(root, state, add, args=args)
     return model
+
+
+def _is_segment(segment, numel: int) -> bool:
+    """[name, shape, offset, numel] of one parameter inside a layout of ``numel`` elements."""
+    if not (isinstance(segment, list) and len(segment) == 4):
+        return False
+    name, shape, offset, count = segment
+    return (isinstance(name, str) and isinstance(shape, list) and
+            all(type(n) is int and n >= 0 for n in [*shape, offset, count]) and
+            math.prod(shape) == count and offset + count <= numel)
 
 
 def _saved_layout_differs(folder: str, args) -> str:
@@ -625,9 +679,9 @@ def _read_unit(root: str, path: str, key) -> dict:
     if not os.path.isfile(path):
         raise CheckpointCorruptError(
             f"--load {root}: {path} is missing; restore it from a copy or load an earlier "
-            f"iteration (iterations {_iterations_here(root)})")
+            f"iteration ({describe_saved(root)})")
     manifest = _read_checksum_file(root, path)
-    with open(path, "rb") as f:
+    with _open_saved(root, path) as f:
         size = os.fstat(f.fileno()).st_size
         _check_size(root, path, size, manifest["bytes"])
         buffer = torch.empty(size, dtype=torch.uint8)
@@ -649,7 +703,7 @@ def _read_unit(root: str, path: str, key) -> dict:
         raise CheckpointCorruptError(
             f"--load {root}: {path} matches its checksum but is not a unit file of "
             f"megatron_snake ({exc}); restore it from a copy or load an earlier iteration "
-            f"(iterations {_iterations_here(root)})") from None
+            f"({describe_saved(root)})") from None
 
 
 def _parse_unit(buffer: torch.Tensor, key) -> dict:
@@ -660,6 +714,9 @@ def _parse_unit(buffer: torch.Tensor, key) -> dict:
     if length > buffer.numel() - head:
         raise ValueError(f"a header of {length} bytes")
     header = json.loads(bytes(buffer[head:head + length].numpy()))
+    if not (isinstance(header, dict) and isinstance(header.get("meta"), dict) and
+            isinstance(header.get("tensors"), list)):
+        raise ValueError("its header is not a unit file's")
     if header.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"format version {header.get('format_version')}, not "
                          f"{FORMAT_VERSION}")
@@ -670,6 +727,10 @@ def _parse_unit(buffer: torch.Tensor, key) -> dict:
     entry = dict(header["meta"])
     data = head + length
     for item in header["tensors"]:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and
+                re.fullmatch(r"[A-Za-z0-9_]{1,64}", item["name"]) and
+                item["name"] not in entry and item.get("dtype") in _UNIT_DTYPES):
+            raise ValueError(f"an entry {str(item)[:80]!r} is not a named tensor record")
         dtype = _UNIT_DTYPES[item["dtype"]]
         shape, offset, nbytes = item["shape"], item["offset"], item["bytes"]
         if not (all(type(n) is int and n >= 0 for n in [*shape, offset, nbytes]) and
@@ -688,9 +749,9 @@ def _read_checksum_file(root: str, path: str) -> dict:
             f"--load {root}: {path} has no checksum file {os.path.basename(checksum)} beside "
             f"it: checkpoints of format version {FORMAT_VERSION} carry one (format version 1, "
             "of an earlier megatron_snake, did not), or it was lost in a copy; restore it "
-            f"from a copy or load an earlier iteration (iterations {_iterations_here(root)})")
+            f"from a copy or load an earlier iteration ({describe_saved(root)})")
     try:
-        with open(checksum, "rb") as f:
+        with _open_saved(root, checksum) as f:
             manifest = json.loads(f.read(1 << 16))
         ok = (isinstance(manifest, dict) and isinstance(manifest.get("bytes"), int)
               and re.fullmatch(r"[0-9a-f]{64}", str(manifest.get("sha256"))) is not None)
@@ -700,11 +761,26 @@ def _read_checksum_file(root: str, path: str) -> dict:
         raise CheckpointCorruptError(
             f"--load {root}: checksum file {checksum} is corrupt (not the JSON a save "
             f"writes); restore it from a copy or load an earlier iteration "
-            f"(iterations {_iterations_here(root)})")
+            f"({describe_saved(root)})")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"--load {path}: format version {manifest.get('format_version')} is "
                          f"not {FORMAT_VERSION}")
     return manifest
+
+
+def _open_saved(root: str, path: str):
+    """``path`` opened for reading as the regular file a save made: never through a link,
+    never a FIFO or device (which could block the run or feed it without end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                     getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise _corrupt(root, path, "a symbolic link, not followed" if exc.errno == errno.ELOOP
+                       else f"cannot be opened: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _corrupt(root, path, "not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _verify(root: str, path: str, f, manifest: dict) -> None:
@@ -723,7 +799,7 @@ def _check_size(root: str, path: str, size: int, expected: int) -> None:
 def _corrupt(root: str, path: str, what: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(
         f"--load {root}: {path} is corrupt ({what}); restore it from a copy or load an "
-        f"earlier iteration (iterations {_iterations_here(root)})")
+        f"earlier iteration ({describe_saved(root)})")
 
 
 def _sha256(f) -> str:
@@ -777,20 +853,8 @@ def _unpickle(root: str, path: str, f):
     except Exception as exc:  # noqa: BLE001 - any failure to parse a verified file
         raise CheckpointCorruptError(
             f"--load {root}: {path} matches its checksum but torch cannot read it ({exc}); "
-            f"restore it from a copy or load an earlier iteration (iterations "
-            f"{_iterations_here(root)})") from exc
-
-
-def _iterations_here(root: str) -> str:
-    try:
-        found = sorted(int(n[5:]) for n in os.listdir(root)
-                       if re.fullmatch(r"iter_[0-9]{7}", n))
-    except OSError:
-        found = []
-    if not found:
-        return f"no iteration directory in {root}"
-    return (f"saved in {root}: {', '.join(map(str, found))}; put the number of the one to "
-            f"load in {TRACKER}")
+            f"restore it from a copy or load an earlier iteration ({describe_saved(root)})"
+        ) from exc
 
 
 def _barrier():

@@ -10,7 +10,9 @@ function for each write item's bytes when the writer reaches it; ``StreamingWrit
 and drops each before asking for the next, in an order the caller gives (one unit's pieces
 together, so the caller reads each unit from its tier once). The files are the ones
 Megatron writes (``.metadata``, ``__<rank>_0.distcp``, ``common.pt``, ``metadata.json``
-last) and ``megatron.core.dist_checkpointing.load`` reads them.
+last) and ``megatron.core.dist_checkpointing.load`` reads them. Each is a new 0600 file,
+created without following a link (``safe_dcp.NoFollowFileSystem``, ``safe_files``), where
+torch's and Megatron's writers make 0644 files through whatever is at the path.
 
 ``fragment_sharded_tensors`` describes an arbitrary flat element range of a parameter (a
 data-parallel shard of a flat layout) as rectangular boxes of the parameter's global
@@ -20,7 +22,9 @@ tensor, which Megatron 0.16 accepts as an irregular grid (it refuses ``flattened
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import json
 import math
 import os
 import queue
@@ -29,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
@@ -41,6 +45,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
 from megatron_snake.optim.dp_shards import all_reduce_on_backend
+from megatron_snake.storage.safe_files import create_file
+from megatron_snake.training.safe_dcp import NoFollowFileSystem
 
 # (fqn, global offsets, sizes, dtype) -> a CPU tensor of those sizes
 Produce = Callable[[str, tuple, tuple, torch.dtype], torch.Tensor]
@@ -94,6 +100,7 @@ class StreamingWriter(FileSystemWriter):
 
     def __init__(self, path: str):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.fs = NoFollowFileSystem()   # the .distcp files and .metadata: new, 0600
 
     def _write_data(self, planner, file_queue: queue.Queue) -> Future:
         results = []
@@ -167,8 +174,10 @@ def stream_save(sharded: dict, common: dict, directory: str, produce: Produce | 
     if dist.get_rank() == 0:
         try:
             _write_durably(os.path.join(directory, "common.pt"), lambda f: torch.save(common, f))
-            save_config(CheckpointingConfig("torch_dist", 1), directory)   # last: marks it whole
-            _write_durably(os.path.join(directory, "metadata.json"), None)
+            # last: marks it whole (Megatron's save_config, as a 0600 file)
+            config = json.dumps(dataclasses.asdict(CheckpointingConfig("torch_dist", 1)))
+            _write_durably(os.path.join(directory, "metadata.json"),
+                           lambda f: f.write(config.encode()))
         except Exception as exc:   # noqa: BLE001 (reported on every rank below)
             error = exc
     # every rank learns whether rank 0's files made it (none waits for a rank that failed)
@@ -181,17 +190,13 @@ def stream_save(sharded: dict, common: dict, directory: str, produce: Produce | 
 
 
 def _write_durably(path: str, write) -> None:
-    """``write(file)`` into ``path`` (when given), and the file fsynced."""
-    if write is not None:
-        with open(path, "wb") as f:
-            stream = _WriteErrors(f)
-            with stream.reported():
-                write(stream)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """``write(file)`` into a new 0600 file ``path`` (never through a link), fsynced."""
+    with os.fdopen(create_file(path, what="checkpoint file"), "wb") as f:
+        stream = _WriteErrors(f)
+        with stream.reported():
+            write(stream)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def flat_range_boxes(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple]]:

@@ -23,6 +23,8 @@ from megatron_snake.storage.safe_files import write_file_atomically
 from megatron_snake.training import (auto_config, checkpointing, distributed,
                                      offloaded_state, preflight)
 from megatron_snake.training.build import Run, build_run
+from megatron_snake.training.checkpoint_dir import (TRACKER, Checkpoint, CheckpointChoiceError,
+                                                    check_save_dir, find_checkpoint)
 from megatron_snake.training.preemption import ExitConditions
 from megatron_snake.training.profiling import StepProfiler
 from megatron_snake.training.tracking import Trackers
@@ -67,15 +69,43 @@ def _load_scheduler(scheduler, state: dict, root: str) -> None:
             "--override-opt_param-scheduler to take this run's flags") from None
 
 
-def checkpoint_to_load(args) -> tuple[str | None, bool]:
-    """Megatron-LM's choice: ``--load`` when it holds a checkpoint, else
-    ``--pretrained-checkpoint`` as a fine-tuning start; and whether it is a fine-tuning
-    start (weights only)."""
-    if args.load and os.path.isfile(os.path.join(args.load, checkpointing.TRACKER)):
-        return args.load, args.finetune
+def checkpoint_to_load(args) -> tuple[Checkpoint | None, bool]:
+    """Megatron-LM's choice: ``--load`` (at ``--ckpt-step``) when it holds a checkpoint,
+    else ``--pretrained-checkpoint`` as a fine-tuning start; and whether it is a
+    fine-tuning start (weights only). Refuses what cannot be read safely (checkpoint_dir)."""
+    if args.load:
+        found = find_checkpoint(args.load, ckpt_step=args.ckpt_step)
+        if found is not None:
+            return found, args.finetune
     if args.pretrained_checkpoint:
-        return args.pretrained_checkpoint, True
+        found = find_checkpoint(args.pretrained_checkpoint)
+        if found is None:
+            raise CheckpointChoiceError(f"--pretrained-checkpoint {args.pretrained_checkpoint} "
+                                        f"holds no checkpoint (no {TRACKER} and no iteration "
+                                        "directory)")
+        return found, True
     return None, False
+
+
+def check_checkpoints(args, log) -> tuple[Checkpoint | None, bool]:
+    """Before anything is built: the checkpoint to load (``checkpoint_to_load``), refused
+    when it is beyond ``--train-iters``, and ``--save`` refused when the run would write
+    over an iteration there that it did not save."""
+    source, finetune = checkpoint_to_load(args)
+    if args.load and source is None:   # Megatron-LM: a first run of a job script
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointChoiceError(f"--load {args.load}: no {TRACKER} in it "
+                                        "(--exit-on-missing-checkpoint)")
+        log(f"> --load {args.load} holds no checkpoint yet: training starts from scratch "
+            "(--exit-on-missing-checkpoint refuses instead)")
+    start = source.iteration if source and not finetune else 0
+    if start > args.train_iters:
+        raise CheckpointChoiceError(
+            f"--load {source.root}: its checkpoint is at iteration {start}, beyond "
+            f"--train-iters {args.train_iters}: nothing to train; raise --train-iters to go on")
+    if args.save:
+        check_save_dir(args.save, start=start, last=args.train_iters)
+    return source, finetune
 
 
 def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
@@ -141,17 +171,16 @@ class Trainer:
         self.log.print(f"> saved checkpoint at iteration {self.iteration} to {self.args.save} "
                        "(torch)")
 
-    def restore(self, root: str, *, finetune: bool = False) -> None:
-        """Load ``root``'s latest checkpoint into the run and continue from its iteration
+    def restore(self, checkpoint: Checkpoint, *, finetune: bool = False) -> None:
+        """Load ``checkpoint`` into the run and continue from its iteration
         (``--no-load-optim`` and ``--no-load-rng`` as in Megatron-LM); ``finetune``: the
         weights only, from iteration 0."""
-        args, run = self.args, self.run
+        args, run, root = self.args, self.run, checkpoint.root
         takes_optimizer = not (args.no_load_optim or finetune)
-        folder = checkpointing.iter_dir(root, checkpointing.latest_iteration(root))
-        if torch_dist.is_torch_dist(folder):
-            self._restore_torch_dist(folder, root, takes_optimizer, finetune)
+        if checkpoint.format == "torch_dist":
+            self._restore_torch_dist(checkpoint.folder, root, takes_optimizer, finetune)
             return
-        state = checkpointing.load_checkpoint(root, args=args, optimizer=takes_optimizer)
+        state = checkpointing.load_checkpoint(checkpoint, args=args, optimizer=takes_optimizer)
         gpt = unwrap_model(run.model)
         if run.offloaded and state["units"]:  # streamed back, one layout at a time
             weights = run.offloaded.weights
@@ -163,7 +192,13 @@ class Trainer:
         elif run.offloaded:  # saved without --snake-offload (loaded with --no-load-optim)
             run.offloaded.weights.load_model_state_dict(gpt, state["model"])
         else:
-            gpt.load_state_dict(checkpointing.full_model_state(root, state, args=args))
+            model_state = checkpointing.full_model_state(root, state, args=args)
+            try:
+                gpt.load_state_dict(model_state)
+            except RuntimeError as exc:   # torch's list of missing keys and other shapes
+                raise checkpointing.CheckpointMismatchError(
+                    f"--load {root}: the checkpoint's model is not this run's: "
+                    f"{' '.join(str(exc).split())[:300]}") from None
         if takes_optimizer:
             run.optimizer.load_state_dict(state["optimizer"])
             _load_scheduler(run.scheduler, state["opt_param_scheduler"], root)
@@ -342,36 +377,34 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                            seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     rank = dist.get_rank()
+    notes: list[str] = []   # printed once the log is there
+    source, finetune = check_checkpoints(args, notes.append)
     tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     trackers = Trackers(args, writes=rank == 0)
     closing.callback(trackers.close)
     log = TrainLog(args, vocab, device, rank=rank, trackers=trackers)
+    for note in notes:
+        log.print(note)
     if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
         auto_config.configure(args, vocab, log=log.print)
     if args.snake_offload:  # the bytes each tier needs, refused before the model is built
         preflight.run(args, vocab, rank=rank, log=log.print)
         if args.snake_dry_run:
             return []
+    # the data files are checked before the offload directory and the model are made
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        mock=args.mock_data, data_path=args.data_path, split=args.split,
+        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path, eod_mask_loss=args.eod_mask_loss,
+        seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+        data_cache_path=args.data_cache_path,
+        num_samples=num_samples_for(args.train_iters, args.global_batch_size,
+                                    args.eval_interval, args.eval_iters))
     with build_run(args, device, vocab, rank=rank, log=log.print) as run:
-        train_ds, valid_ds, _ = build_gpt_datasets(
-            mock=args.mock_data, data_path=args.data_path, split=args.split,
-            train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-            test_data_path=args.test_data_path, eod_mask_loss=args.eod_mask_loss,
-            seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
-            data_cache_path=args.data_cache_path,
-            num_samples=num_samples_for(args.train_iters, args.global_batch_size,
-                                        args.eval_interval, args.eval_iters))
         trainer = Trainer(run, log, train_ds, valid_ds, exit_conditions=exit_conditions,
                           profiler=StepProfiler(args, device, rank) if args.profile else None)
-        source, finetune = checkpoint_to_load(args)
-        if args.load and source is None:   # Megatron-LM: a first run of a job script
-            if args.exit_on_missing_checkpoint:
-                raise FileNotFoundError(f"--load {args.load}: no {checkpointing.TRACKER} in "
-                                        "it (--exit-on-missing-checkpoint)")
-            log.print(f"> --load {args.load} holds no checkpoint yet: training starts from "
-                      "scratch (--exit-on-missing-checkpoint refuses instead)")
         if source:
             trainer.restore(source, finetune=finetune)
         try:

@@ -15,14 +15,22 @@ Megatron's own ``dist_checkpointing.load`` through its strategy arguments:
                             common_strategy=SafeCommonLoadStrategy())
 
 Anything else is refused with an UnsafeCheckpointError naming the file and the object.
+
+The files are opened as regular files, never through a link (``NoFollowFileSystem``), and
+``.metadata`` is checked as soon as it is read (``read_metadata``): every data file it names
+must be one file of the checkpoint's own directory, holding every byte range it names; a
+file that is not what a save writes (truncated, empty, garbage) is a CheckpointCorruptError
+naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -34,10 +42,14 @@ from megatron.core.dist_checkpointing.strategies.torch import (MCoreLoadPlanner,
                                                                TorchDistLoadShardedStrategy)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta)
 
-from megatron_snake.training.checkpointing import (UnsafeCheckpointError, only_safe_globals,
-                                                   refused_object)
+from megatron_snake.storage.errors import UnsafePathError
+from megatron_snake.storage.safe_files import create_file, open_regular_file
+from megatron_snake.training.checkpointing import (CheckpointCorruptError, UnsafeCheckpointError,
+                                                   only_safe_globals, refused_object)
 
 # What ``.metadata`` (torch's Metadata dataclasses; Megatron adds its pickled save plans)
 # may name, by module and name.
@@ -58,6 +70,52 @@ _METADATA_GLOBALS = frozenset(
 # What ``common.pt`` and ShardedObjects may hold beyond torch's own weights_only types:
 # Megatron-LM keeps its flags in an argparse.Namespace.
 COMMON_GLOBALS = (argparse.Namespace,)
+# The one kind of data file a save writes, in the iteration directory itself: torch's and
+# Megatron's writers name them "<prefix>__<rank>_<n>.distcp" (the prefix: Megatron's
+# separation hint, empty by default). No "/", so no other directory and no "..".
+_DATA_FILE = re.compile(r"[A-Za-z0-9_-]*__[0-9]+_[0-9]+\.distcp")
+# torch's weights-only unpickler refusing an object (not a malformed file) says one of these
+_REFUSAL = re.compile(r"GLOBAL|allowlisted|persistent")
+ADVICE = "restore it from a copy or load an earlier iteration"
+
+
+def corrupt(path: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{path} is corrupt ({what}); {ADVICE}")
+
+
+def _why(exc: BaseException) -> str:
+    """An exception in a few words: its type and its message's first sentence."""
+    text = str(exc).strip().split("\n")[0].split(". ")[0][:160]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def open_checkpoint_file(path: str):
+    """The checkpoint file ``path`` opened for reading: a regular file, never through a
+    link (a FIFO, a device or a link is refused without reading from it)."""
+    try:
+        fd = open_regular_file(str(path), what="checkpoint file")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing; {ADVICE}") from None
+    except UnsafePathError as exc:
+        raise UnsafeCheckpointError(f"{exc}: refused, nothing in it was read") from None
+    return os.fdopen(fd, "rb")
+
+
+class NoFollowFileSystem(FileSystem):
+    """torch's FileSystem for DCP's reader and writer, with streams that never go through a
+    link: a file written is new and 0600 (``create_file``), a file read is a regular file
+    (``open_checkpoint_file``)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode == "wb":
+            stream = os.fdopen(create_file(str(path), what="checkpoint file"), "wb")
+        elif mode == "rb":
+            stream = open_checkpoint_file(str(path))
+        else:
+            raise ValueError(f"checkpoint file {path}: mode {mode!r} is not used")
+        with stream:
+            yield stream
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -71,34 +129,112 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError("holds a persistent id: refused")
 
 
-def read_metadata(path: str):
+def read_metadata(path: str) -> Metadata:
     """The DCP ``Metadata`` in ``path`` (a ``.metadata`` file), unpickled with the
-    allowlist above."""
-    with open(path, "rb") as f:
+    allowlist above, its storage checked (``check_storage``) before anything reads it."""
+    with open_checkpoint_file(path) as f:
         try:
-            return _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
         except UnsafeCheckpointError as exc:
             raise UnsafeCheckpointError(f"{path} {exc}") from None
+        except Exception as exc:   # noqa: BLE001 - truncated or garbage: not a save's pickle
+            raise corrupt(path, f"not the pickle a save writes: {_why(exc)}") from None
+    if type(metadata) is not Metadata:
+        raise corrupt(path, f"it holds a {type(metadata).__name__}, not a checkpoint's Metadata")
+    if type(getattr(metadata, "state_dict_metadata", None)) is not dict:
+        raise corrupt(path, "its table of entries is not the dict a save writes")
+    check_storage(path, getattr(metadata, "storage_data", None))
+    return metadata
+
+
+def check_storage(path: str, storage) -> None:
+    """The storage table of the ``.metadata`` at ``path``: each entry in a data file of the
+    checkpoint's own directory (one name of the form a save writes), a regular file not
+    reached through a link, whose size covers every byte range named in it. Without this,
+    an entry naming ``/dev/zero`` would be read for as many bytes as it says, and a FIFO
+    forever."""
+    if type(storage) is not dict:
+        raise corrupt(path, f"its storage table is a {type(storage).__name__}")
+    ends = {}   # data file -> (the end of its last byte range, the entry there)
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            raise corrupt(path, f"a storage entry is a {type(index).__name__}: "
+                                f"{type(info).__name__}")
+        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset",
+                                                                 "length"))
+        if type(name) is not str or not _DATA_FILE.fullmatch(name):
+            raise UnsafeCheckpointError(
+                f"{path} places {index.fqn!r} in {name!r}: a checkpoint's data lies in files "
+                "of its own directory named like __0_0.distcp; refused, nothing was read")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(
+                f"{path} asks to decode {index.fqn!r} with {info.transform_descriptors!r}, "
+                "which a torch_dist save never writes; refused, nothing was read")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise corrupt(path, f"{index.fqn!r} has offset {offset!r}, length {length!r}")
+        if name not in ends or offset + length > ends[name][0]:
+            ends[name] = (offset + length, offset, index.fqn)
+    for name, (end, offset, fqn) in ends.items():
+        data_file = os.path.join(os.path.dirname(path), name)
+        with open_checkpoint_file(data_file) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size < end:
+            raise corrupt(data_file, f"{size} bytes, but {os.path.basename(path)} places "
+                                     f"{fqn!r} at bytes {offset}..{end}")
 
 
 def load_plain(source, what: str):
     """``torch.load`` of tensors and plain values (and COMMON_GLOBALS) only, whatever other
-    modules added to torch's process-wide allowlist."""
+    modules added to torch's process-wide allowlist. A file torch cannot parse is
+    corrupt."""
     try:
         with only_safe_globals(COMMON_GLOBALS):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{what} holds objects other than tensors and plain "
-                                    f"values ({refused_object(exc)}): refused, nothing in it "
-                                    "was run") from None
+        raise _unpickling_error(exc, what) from None
+    except Exception as exc:   # noqa: BLE001 - truncated, empty, garbage
+        raise corrupt(what, f"not a file torch.save wrote: {_why(exc)}") from None
+
+
+def _unpickling_error(exc: pickle.UnpicklingError, what: str) -> ValueError:
+    """torch's weights-only unpickler's error as ours: an object refused, or a malformed
+    pickle (a corrupt file)."""
+    if _REFUSAL.search(str(exc)):
+        return UnsafeCheckpointError(f"{what} holds objects other than tensors and plain "
+                                     f"values ({refused_object(exc)}): refused, nothing in it "
+                                     "was run")
+    return corrupt(what, f"not a file torch.save wrote: {refused_object(exc)}")
 
 
 class _SafeReader(FileSystemReader):
+    """torch's reader with the checked ``read_metadata`` and files opened through
+    ``NoFollowFileSystem``; a failure while reading the data names the bytes being read."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = NoFollowFileSystem()
+        self._reading = f"the data files of {self.path}"
+
+    def _slice_file(self, file, sinfo):
+        self._reading = (f"{os.path.join(self.path, sinfo.relative_path)} bytes "
+                         f"{sinfo.offset}..{sinfo.offset + sinfo.length}")
+        return super()._slice_file(file, sinfo)
+
     def read_data(self, plan, planner):
-        # the tensor chunks are read with weights_only=True: under torch's own allowlist,
-        # not the one megatron.core widened
-        with only_safe_globals(()):
-            return super().read_data(plan, planner)
+        try:
+            # the tensor chunks are read with weights_only=True: under torch's own
+            # allowlist, not the one megatron.core widened
+            with only_safe_globals(()):
+                return super().read_data(plan, planner)
+        except MemoryError:
+            raise
+        except (UnsafeCheckpointError, CheckpointCorruptError) as exc:   # an object's bytes
+            raise type(exc)(f"{self._reading}: {exc}") from None
+        except pickle.UnpicklingError as exc:   # a tensor chunk's
+            raise _unpickling_error(exc, self._reading) from None
+        except Exception as exc:   # noqa: BLE001 - what the file holds is not what was saved
+            raise CheckpointCorruptError(f"{self._reading} cannot be read ({_why(exc)}): the "
+                                         f"checkpoint is corrupt; {ADVICE}") from exc
 
     def read_metadata(self, *args, **kwargs):
         metadata = read_metadata(os.path.join(self.path, ".metadata"))
@@ -155,5 +291,9 @@ class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
 
     def load_common(self, checkpoint_dir):
         path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
-        with open(path, "rb") as f:
-            return load_plain(f, path)
+        with open_checkpoint_file(path) as f:
+            common = load_plain(f, path)
+        if type(common) is not dict:
+            raise corrupt(path, f"it holds a {type(common).__name__}, not the dict a save "
+                                "writes")
+        return common

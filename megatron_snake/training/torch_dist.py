@@ -14,36 +14,43 @@ checkpoint of either kind of run loads into the other.
 
 The iteration directory is written under a temporary name (``iter_0000005.tmp``, 0700) and
 renamed, then the tracker is replaced, as in the ``torch`` format: a crash mid-save leaves
-the previous checkpoint valid. Loading goes through ``safe_dcp``: nothing in the files is
-run.
+the previous checkpoint valid. Every file is a new 0600 file, never written through a link.
+Loading goes through ``safe_dcp``: nothing in the files is run, no file is read through a
+link or outside the iteration directory, and a damaged file is refused naming it; the
+iteration stored in ``common.pt`` must be the one the directory's name says.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
+import re
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
-                                                SafeTorchDistLoadStrategy, read_metadata)
+                                                SafeTorchDistLoadStrategy, corrupt,
+                                                open_checkpoint_file, read_metadata)
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.training import checkpointing as ckpt
 from megatron_snake.training import torch_dist_offloaded
 from megatron_snake.training.dcp_stream import stream_save
-from megatron_snake.training.checkpointing import UnsafeCheckpointError
+from megatron_snake.training.checkpointing import CheckpointCorruptError, UnsafeCheckpointError
 
 CHECKPOINT_VERSION = 3.0
 LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size")   # may differ on load
 RNG_KEY = "snake_rng_state"
 CONFIG_FILE = "metadata.json"     # Megatron writes it last; its presence marks the format
+_CONFIG_KEYS = {f.name for f in dataclasses.fields(CheckpointingConfig)}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 
 
@@ -109,17 +116,19 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     "iteration", "consumed_samples", "opt_param_scheduler" (for the caller to apply) and
     "notes" for the log."""
     args = run.args
-    with open(os.path.join(iter_dir, CONFIG_FILE), "rb") as f:
-        config = json.loads(f.read(1 << 16) or b"{}")
+    expected = _iteration_named(iter_dir)
+    config = _read_config(iter_dir)
     if config.get("sharded_backend") != "torch_dist":
         raise ValueError(f"--load {root}: {iter_dir} is a {config.get('sharded_backend')!r} "
                          "checkpoint; this run reads torch_dist and its own torch format")
     # both pickles checked here, before any collective: a refusal names the file
     read_metadata(os.path.join(iter_dir, ".metadata"))
     common = SafeCommonLoadStrategy().load_common(iter_dir)
+    # a directory copied or linked from another run holds another iteration
+    ckpt.check_saved_iteration(root, iter_dir, expected=expected, saved=common.get("iteration"))
     saved_args = common.get("args")
     if not isinstance(saved_args, argparse.Namespace):
-        raise ValueError(f"--load {root}: {iter_dir}/common.pt has no flags (args)")
+        raise corrupt(os.path.join(iter_dir, "common.pt"), "it has no flags (args)")
     # the model's flags must match; the parallel layout may differ (resharding)
     ckpt.refuse_other_settings(root, vars(saved_args), args,
                                keys=[k for k in ckpt.MUST_MATCH if k not in LAYOUT])
@@ -151,9 +160,33 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
         run.offloaded.weights.reload_master_weights()
     if takes_rng:
         ckpt.set_rng_state(loaded[RNG_KEY][0])
-    return {"iteration": int(common["iteration"]),
+    return {"iteration": common["iteration"],
             "consumed_samples": int(saved_args.consumed_train_samples),
             "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
+
+
+def _iteration_named(iter_dir: str) -> int:
+    """The iteration in the directory's name as a save writes it (``iter_0000005``: 5)."""
+    name = os.path.basename(os.path.normpath(iter_dir))
+    found = re.fullmatch(r"iter_([0-9]{7,})", name)
+    if not found or name != f"iter_{int(found.group(1)):07d}":
+        raise ValueError(f"{iter_dir} is not named iter_<iteration> as a save names it")
+    return int(found.group(1))
+
+
+def _read_config(iter_dir: str) -> dict:
+    """``metadata.json``: Megatron's CheckpointingConfig as a JSON object (Megatron's loader
+    reads it again and passes its keys to CheckpointingConfig)."""
+    path = os.path.join(iter_dir, CONFIG_FILE)
+    with open_checkpoint_file(path) as f:
+        raw = f.read(1 << 16)
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except ValueError:   # not UTF-8, not JSON (truncated, empty)
+        config = None
+    if not isinstance(config, dict) or not set(config) <= _CONFIG_KEYS:
+        raise corrupt(path, "not the JSON object a save writes")
+    return config
 
 
 def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra: dict,
@@ -192,22 +225,27 @@ def _first_cause():
 
 @contextlib.contextmanager
 def _refusals(root: str, iter_dir: str):
-    """One error naming --load for what DCP gathered from the ranks: the refusal of an
-    unsafe object as it is, a missing key with what to pass instead, anything else (a
-    shape that does not match) with its own words."""
+    """One error naming --load for what DCP gathered from the ranks: a refused object or a
+    corrupt file as it is, a missing key with what to pass instead, anything else (a shape
+    that does not match) with its type and its own words."""
     try:
         yield
     except CheckpointException as exc:
         causes = _causes(exc)
-        unsafe = [e for e in causes if isinstance(e, UnsafeCheckpointError)]
-        if unsafe:
-            raise unsafe[0] from None
+        ours = [e for e in causes if isinstance(e, (UnsafeCheckpointError,
+                                                    CheckpointCorruptError))]
+        if ours:
+            raise ours[0] from None
         if not causes:
             raise
         missing = next((e for e in causes if isinstance(e, KeyError)), None)
         if missing is None:
+            cause = causes[0]
+            # some of Megatron's and torch's checks raise without a message
+            why = " ".join(str(cause).split())[:300] or \
+                "raised without a message while Megatron's loader read it"
             raise ValueError(f"--load {root}: {iter_dir} does not fit this run: "
-                             f"{causes[0]}") from causes[0]
+                             f"{type(cause).__name__}: {why}") from cause
         # Megatron's message: "<key> from model not in state dict: <every key saved>"
         key = str(missing).strip("'\"").split(" from model not in state dict")[0]
         advice = ("pass --no-load-optim (it was saved without, or by another optimizer)"
