@@ -27,7 +27,7 @@ NUM_MICROBATCHES = 4
 def _reference(model, mbs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_snake.training.step import pretrain_gpt_forward_step
+    from megatron_snake.schedule.loss import pretrain_gpt_forward_step
 
     tokens = mbs[0]["tokens"]
     results = get_forward_backward_func()(

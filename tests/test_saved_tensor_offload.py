@@ -114,7 +114,7 @@ def test_unit_recompute_bit_identical(megatron_world, deterministic, store):
     model = build_model(tiny_args(*SHAPE), megatron_world)
     units = GPTUnits(model, checkpoint_interval=2)
     mb = make_microbatches(1, seq=64)[0]
-    ctx = units.context(mb)
+    ctx = units.context(mb, seq_length=mb["tokens"].shape[1])
     with torch.no_grad():
         checkpoint = units.forward_unit(0, None, ctx)
     grad_out = torch.randn(checkpoint.shape, generator=torch.Generator().manual_seed(3))

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
+from megatron_snake.schedule.loss import report_losses  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
 from megatron_snake.training.data import random_microbatches  # noqa: E402
 from megatron_snake.training.train_log import peak_rss_bytes  # noqa: E402
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
             moved = {t: {"read": counters.read[t] - before[t][0],
                          "written": counters.written[t] - before[t][1]} for t in before}
             steps.append({"step_s": took, "bytes": moved,
-                          "loss": [float(x) for x in out.result.losses]})
+                          "loss": [float(x) for x in report_losses(out.reports)]})
             print(f"> step {step + 1}: {took:.1f} s, nvme read {moved['nvme']['read'] / 2**30:.1f} "
                   f"GiB, written {moved['nvme']['written'] / 2**30:.1f} GiB, peak RSS "
                   f"{peak_rss_bytes() / 2**30:.2f} GiB", flush=True)

@@ -243,6 +243,7 @@ def save_initial_weights(a, directory: str) -> None:
 
 # --- ours ------------------------------------------------------------------------------------
 def run_ours(a, m: int, offload_dir: str) -> None:
+    from megatron_snake.schedule.loss import report_losses
     from megatron_snake.training.build import build_run
     from megatron_snake.training.calibration import synchronize
     args, device, vocab = _start(ours_flags(a, m, offload_dir))
@@ -259,7 +260,8 @@ def run_ours(a, m: int, offload_dir: str) -> None:
             out = run.step(mbs)
             synchronize(device)
             _report("step", {"step": step + 1, "seconds": time.perf_counter() - start,
-                             "loss": statistics.fmean(float(x) for x in out.result.losses),
+                             "loss": statistics.fmean(
+                                 float(x) for x in report_losses(out.reports)),
                              "pool_peak_bytes": pool.peak_in_use * pool.buffer_bytes,
                              **_device_memory(device)})
 

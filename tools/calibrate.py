@@ -67,7 +67,7 @@ def _timing_model(args, device, vocab: int, seq: int, micro_batch: int):
     tokens = seq // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     hidden = torch.randn(tokens, micro_batch, args.hidden_size, device=device,
                          dtype=args.params_dtype, requires_grad=True)
-    return units, hidden, units.context(batch)
+    return units, hidden, units.context(batch, seq_length=seq)
 
 
 def _unit_seconds(args, device, vocab: int, seq: int, micro_batch: int,

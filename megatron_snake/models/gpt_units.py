@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from megatron.core.utils import make_viewless_tensor
@@ -26,10 +27,12 @@ def unwrap_model(model):
 
 @dataclass
 class MicroBatchContext:
-    """Per-micro-batch inputs every unit needs (built once, shared by all units)."""
+    """Per-micro-batch inputs every unit needs (built once, shared by all units), and the
+    loss function the forward step returned for it."""
 
     batch: dict
     rotary_pos_emb: torch.Tensor | None
+    loss_func: Callable | None = None
 
 
 def check_checkpoint_interval(checkpoint_interval) -> None:
@@ -96,16 +99,17 @@ class GPTUnits:
         return params
 
     # --- per-micro-batch context ---------------------------------------------------------
-    def context(self, batch: dict) -> MicroBatchContext:
+    def context(self, batch: dict, seq_length: int, loss_func=None) -> MicroBatchContext:
+        """``batch``: the model's inputs (None where this stage gets none); ``seq_length``:
+        the whole sequence (RoPE's length on every stage, as GPTModel computes it)."""
         rope = None
         if self.gpt.position_embedding_type == "rope":
-            seq_len = batch["tokens"].shape[1]
-            rope = self.gpt.rotary_pos_emb(seq_len)
+            rope = self.gpt.rotary_pos_emb(seq_length)
         elif self.gpt.position_embedding_type not in ("learned_absolute", "none"):
             raise NotImplementedError(
                 f"megatron_snake: position embedding {self.gpt.position_embedding_type!r} "
                 "is not supported by the vertical schedule")
-        return MicroBatchContext(batch=batch, rotary_pos_emb=rope)
+        return MicroBatchContext(batch=batch, rotary_pos_emb=rope, loss_func=loss_func)
 
     # --- compute -----------------------------------------------------------------------
     def forward_unit(self, unit: int, hidden: torch.Tensor | None, ctx: MicroBatchContext):

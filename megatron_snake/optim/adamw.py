@@ -13,9 +13,10 @@ STATES = ("master", "exp_avg", "exp_avg_sq")   # fp32 master weights and both mo
 
 def megatron_param_groups(lr: float, weight_decay: float) -> list[dict]:
     """Two groups, so Megatron's OptimizerParamScheduler sets lr for both and weight decay
-    only for the first (the second holds biases and 1-D parameters)."""
-    return [{"lr": lr, "weight_decay": weight_decay, "wd_mult": 1.0},
-            {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0}]
+    only for the first (the second holds biases and 1-D parameters); both use the default
+    settings (``default_config``: the group whose lr Megatron-LM logs)."""
+    return [{"lr": lr, "weight_decay": weight_decay, "wd_mult": 1.0, "default_config": True},
+            {"lr": lr, "weight_decay": 0.0, "wd_mult": 0.0, "default_config": True}]
 
 
 def check_clip_grad(clip_grad: float) -> None:
@@ -44,13 +45,16 @@ def fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, step: torch.Tensor, *, l
 
 
 class HostAdamW:
-    """The interface the training loop drives, as it drives Megatron's optimizers:
-    ``param_groups`` (Megatron's scheduler sets lr and weight decay there), ``zero_grad``,
-    ``step() -> (update_successful, grad_norm, num_zeros_in_grad)``, ``get_loss_scale``,
-    ``state_dict``/``load_state_dict``; and, because the state lives off the compute device
-    and updates run on worker threads, ``flush`` (apply what is pending) and ``close``."""
+    """The interface a training loop drives, this project's and Megatron-LM's alike, as it
+    drives Megatron's optimizers (``MegatronOptimizer``): ``param_groups`` (Megatron's
+    scheduler sets lr and weight decay there), ``zero_grad``, ``step() ->
+    (update_successful, grad_norm, num_zeros_in_grad)``, ``scale_loss`` and
+    ``get_loss_scale``, ``is_stub_optimizer``, ``state_dict``/``load_state_dict``; and,
+    because the state lives off the compute device and updates run on worker threads,
+    ``flush`` (apply what is pending) and ``close``."""
 
     param_groups: list
+    is_stub_optimizer = False   # Megatron-LM's loop skips a rank's optimizer that has none
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError
@@ -60,6 +64,10 @@ class HostAdamW:
 
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor(1.0)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``optimizer.scale_loss``: the loss times the current loss scale."""
+        return loss * self.get_loss_scale()
 
     def state_dict(self) -> dict:
         raise NotImplementedError

@@ -597,10 +597,6 @@ class OffloadedAdamW(HostAdamW):
                 following["reads"] = self._read_update_inputs(following["key"],
                                                               following["part"])
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Megatron's ``optimizer.scale_loss``: the loss times the current loss scale."""
-        return loss * self.get_loss_scale()
-
     def _update(self, job: dict, hyper: StepHyper, clip_coef, soon: bool) -> None:
         key, part = job["key"], job["part"]
         updated = False

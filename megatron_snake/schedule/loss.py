@@ -1,4 +1,9 @@
-"""pretrain_gpt's loss, reduced exactly the way Megatron-Core's schedule reduces it."""
+"""pretrain_gpt's forward step and loss, and the per-micro-batch losses its reports give.
+
+``pretrain_gpt_forward_step`` is Megatron-LM pretrain_gpt's ``forward_step`` over a data
+iterator of batch dicts: every schedule here (Megatron's, and the snake's through
+``forward_step``) runs it the way Megatron-LM's training loop runs the user's own.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +19,34 @@ def masked_loss_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     return loss, num_tokens
 
 
-def scale_for_backward(loss: torch.Tensor, num_tokens: torch.Tensor, num_microbatches: int,
-                       config) -> torch.Tensor:
-    """What ``forward_step_calc_loss`` and ``backward_step`` make of the loss before
-    ``backward``: the masked mean over the micro-batch, divided by the number of
-    micro-batches (unless per-token loss is on), then the loss scale (fp16)."""
-    output = loss
-    if not getattr(config, "calculate_per_token_loss", False):
-        output = output / torch.clamp(num_tokens, min=1)
-        output = output / num_microbatches
-    if getattr(config, "grad_scale_func", None) is not None:
-        output = config.grad_scale_func(output)
-    return output
+def pretrain_gpt_forward_step(data_iterator, model):
+    """Megatron-LM pretrain_gpt's ``forward_step``: the model's per-token loss, and a loss
+    function returning (loss sum, token count, {"lm loss": [sum, count]})."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss, num_tokens = masked_loss_sum(output_tensor, batch["loss_mask"])
+        report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, loss_func
 
 
-def reported_loss(loss: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-    """The per-micro-batch loss a log line shows: masked mean of token losses, detached."""
-    return (loss.detach() / torch.clamp(num_tokens, min=1)).float()
+def microbatch_call(model, microbatches: list[dict]) -> dict:
+    """The keyword arguments a ``forward_backward_func`` takes to run ``microbatches`` (a
+    list of batch dicts, the same on every pipeline stage) with pretrain_gpt's forward
+    step."""
+    if not isinstance(microbatches, (list, tuple)) or not microbatches:
+        raise ValueError("microbatches must be a non-empty list of batch dicts")
+    batch, seq = microbatches[0]["tokens"].shape
+    return dict(forward_step_func=pretrain_gpt_forward_step,
+                data_iterator=iter(microbatches), model=model,
+                num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=batch)
+
+
+def report_losses(reports: list[dict], key: str = "lm loss") -> list[torch.Tensor]:
+    """Each micro-batch's masked-mean loss from the (sum, count) its loss function
+    reported."""
+    return [(r[key][0] / r[key][1].clamp(min=1)).detach() for r in reports]

@@ -16,6 +16,11 @@ stage and G = M this is pure GreedySnake (megatron_snake.schedule.vertical).
 
 Numbers: every micro-batch sees the module calls Megatron's schedules make, so losses are
 bit-identical; gradient sums run in another order (within float rounding).
+
+The signature is Megatron's ``forward_backward_func``'s (keyword arguments, a forward step
+function and a data iterator in, one report per micro-batch out), so Megatron-LM's
+``train_step`` and ``evaluate`` call it as they call Megatron's own schedules; the snake's
+settings are bound first (``functools.partial``).
 """
 
 from __future__ import annotations
@@ -28,20 +33,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.schedule.forward_step import ForwardStepError, capture_microbatches
 from megatron_snake.schedule.sweeps import backward_sweep, forward_sweep
 from megatron_snake.schedule.unit_store import InMemoryStore, UnitStore
-
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-
-
-def check_microbatches(microbatches) -> None:
-    if not isinstance(microbatches, (list, tuple)) or not microbatches:
-        raise ValueError("vertical_forward_backward: microbatches must be a non-empty list of dicts")
-    for i, mb in enumerate(microbatches):
-        missing = [k for k in BATCH_KEYS if k not in mb]
-        if missing:
-            raise KeyError(f"micro-batch {i} lacks the GPT batch keys {missing} "
-                           f"(expected {list(BATCH_KEYS)})")
 
 
 def snake_groups(num_microbatches: int, group_size: int | None) -> list[list[int]]:
@@ -157,42 +151,65 @@ class _StageLinks:
         return self._by_mb(next_group, received)
 
 
-def _stage_tensor_shape(units: GPTUnits, microbatches) -> tuple[int, int, int]:
+def _stage_tensor_shape(units: GPTUnits, seq_length: int,
+                        micro_batch_size: int) -> tuple[int, int, int]:
     """[sequence, micro-batch, hidden] of what crosses a stage boundary (sequence split
-    across tensor-parallel ranks under sequence parallelism)."""
-    batch, seq = microbatches[0]["tokens"].shape
+    across tensor-parallel ranks under sequence parallelism), as Megatron's schedules
+    compute it."""
     if units.config.sequence_parallel:
-        seq //= parallel_state.get_tensor_model_parallel_world_size()
-    return (seq, batch, units.config.hidden_size)
+        seq_length //= parallel_state.get_tensor_model_parallel_world_size()
+    return (seq_length, micro_batch_size, units.config.hidden_size)
 
 
-def snake_forward_backward(model, microbatches, *, group_size: int | None = None,
-                           checkpoint_interval: int = 1, forward_only: bool = False,
-                           store: UnitStore | None = None, units: GPTUnits | None = None):
-    """Run one step's micro-batches on this pipeline stage in snake groups, 1F1B-style.
+def snake_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                           seq_length: int, micro_batch_size: int,
+                           decoder_seq_length: int | None = None, forward_only: bool = False,
+                           collect_non_loss_data: bool = False, first_val_step=None,
+                           adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                           pg_collection=None, force_all_reduce: bool | None = False,
+                           group_size: int | None = None, checkpoint_interval: int = 1,
+                           store: UnitStore | None = None, units: GPTUnits | None = None,
+                           finalize_grads: bool = True):
+    """Run one step's ``num_microbatches`` micro-batches on this pipeline stage in snake
+    groups, 1F1B-style, with Megatron's ``forward_backward_func`` signature.
 
-    Every stage passes the same list of micro-batch dicts (the first stage reads tokens,
-    the last labels and loss mask). Returns the per-micro-batch losses in micro-batch order
-    on the last stage, an empty list elsewhere. Unless ``forward_only``, accumulates into
-    ``param.grad`` (or ``param.main_grad``) what Megatron's schedules accumulate, and calls
-    ``config.finalize_model_grads_func`` when it is set, as they do.
+    ``forward_step_func(data_iterator, model)`` is called once per micro-batch at the start
+    (``forward_step.capture_microbatches``); its loss function is applied where the model's
+    last unit computes the per-token loss. Returns what the loss function reports, one per
+    micro-batch in micro-batch order, on the last stage (an empty list elsewhere), as
+    Megatron's schedules do. Unless ``forward_only``, accumulates into ``param.grad`` (or
+    ``param.main_grad``) what Megatron's schedules accumulate, and calls
+    ``config.finalize_model_grads_func`` when it is set, as they do. The snake's own
+    settings: ``group_size`` (micro-batches per snake group; default all),
+    ``checkpoint_interval`` (layers per unit), ``store`` (where unit inputs and weights
+    live), ``units`` (the model's unit partition, made once for a run), ``finalize_grads``
+    (False where the store's weights own the gradients: ``config.finalize_model_grads_func``,
+    which Megatron-LM's loop sets for its DDP buffers, is then not called).
     """
-    check_microbatches(microbatches)
+    if collect_non_loss_data:
+        raise ForwardStepError("--snake-offload: collecting non-loss data (a "
+                               "non_loss_data_func) is not supported by the snake schedule")
+    if adjust_tensor_shapes_fn is not None:
+        raise ForwardStepError("--snake-offload: adjust_tensor_shapes_fn (Model Optimizer's "
+                               "distillation) is not supported by the snake schedule")
+    chunk = model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
     if units is None:
-        units = GPTUnits(model, checkpoint_interval)
+        units = GPTUnits(chunk, checkpoint_interval)
     elif units.checkpoint_interval != checkpoint_interval:
         raise ValueError(f"units were cut every {units.checkpoint_interval} layers, the step "
                          f"asks for --snake-checkpoint-interval {checkpoint_interval}")
     store = InMemoryStore() if store is None else store
     config = units.config
-    groups = snake_groups(len(microbatches), group_size)
-    contexts = [units.context(mb) for mb in microbatches]
-    links = _StageLinks(config, _stage_tensor_shape(units, microbatches))
+    groups = snake_groups(num_microbatches, group_size)
+    contexts = [units.context(mb.batch, seq_length, mb.loss_func) for mb in
+                capture_microbatches(forward_step_func, data_iterator, model,
+                                     num_microbatches)]
+    links = _StageLinks(config, _stage_tensor_shape(units, seq_length, micro_batch_size))
     num_stages = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     rng_states: dict = {}
-    losses: dict = {}
-    total_tokens = torch.zeros([], dtype=torch.int, device=microbatches[0]["loss_mask"].device)
+    reports: dict = {}
+    total_tokens = 0
 
     def forward(group, inputs):
         return forward_sweep(units, contexts, store, group, forward_only=forward_only,
@@ -200,12 +217,12 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
 
     def backward(index, output_grads):
         nonlocal total_tokens
-        group_losses, tokens, input_grads = backward_sweep(
+        group_reports, tokens, input_grads = backward_sweep(
             units, contexts, store, groups[index], rng_states=rng_states,
-            num_microbatches=len(microbatches), gradients_final=index == len(groups) - 1,
+            num_microbatches=num_microbatches, gradients_final=index == len(groups) - 1,
             output_grads=output_grads)
-        losses.update(group_losses)
-        total_tokens += tokens
+        reports.update(group_reports)
+        total_tokens = total_tokens + tokens
         return input_grads
 
     no_sync = getattr(config, "no_sync_func", None) or nullcontext
@@ -214,7 +231,7 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
             for group in groups:
                 outputs = forward(group, links.recv_forward(group))
                 if links.last:
-                    losses.update(outputs)
+                    reports.update(outputs)
                 else:
                     links.send_forward(group, outputs)
         else:
@@ -222,10 +239,14 @@ def snake_forward_backward(model, microbatches, *, group_size: int | None = None
                          forward, backward)
         links.finish()
 
-    if not forward_only and getattr(config, "finalize_model_grads_func", None) is not None:
+    if finalize_grads and not forward_only and \
+            getattr(config, "finalize_model_grads_func", None) is not None:
         per_token = getattr(config, "calculate_per_token_loss", False)
-        config.finalize_model_grads_func([model], total_tokens if per_token else None)
-    return [losses[mb] for mb in range(len(microbatches))] if links.last else []
+        num_tokens = torch.as_tensor(total_tokens, dtype=torch.int) if per_token else None
+        config.finalize_model_grads_func([chunk], num_tokens,
+                                         **({"force_all_reduce": force_all_reduce}
+                                            if force_all_reduce else {}))
+    return [reports[mb] for mb in range(num_microbatches)] if links.last else []
 
 
 def _one_f_one_b(groups, num_warmup, links: _StageLinks, forward, backward) -> None:

@@ -17,6 +17,10 @@ and the backward sweep starts from the gradients the next stage sent.
 
 Dropout: the RNG state is captured before each (unit, micro-batch) forward and replayed for
 its recompute, so the recompute draws the forward's masks.
+
+The loss: the unit that ends the model computes the per-token loss, and the loss function
+the forward step returned for that micro-batch is applied to it (``forward_step``), with
+Megatron's scaling; what it reports is returned per micro-batch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule import rng
-from megatron_snake.schedule.loss import masked_loss_sum, reported_loss, scale_for_backward
+from megatron_snake.schedule.forward_step import apply_loss
 from megatron_snake.schedule.order import snake_order
 from megatron_snake.schedule.unit_store import UnitStore
 
@@ -39,8 +43,9 @@ def forward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int],
 
     ``inputs``: micro-batch -> the tensor received from the previous stage (None on the
     first stage). Returns micro-batch -> the stage's output: the last unit's hidden state on
-    a stage that does not end the model, the reported loss on one that does (forward-only;
-    in training the loss unit waits for the backward sweep and nothing is returned).
+    a stage that does not end the model, what the loss function reports on one that does
+    (forward-only; in training the loss unit waits for the backward sweep and nothing is
+    returned).
     """
     last = units.num_units - 1
     ends_model = units.owns_head(last)
@@ -81,8 +86,9 @@ def _forward_unit(units: GPTUnits, contexts, store: UnitStore, group: list[int],
             if unit < last:
                 store.save_input(unit + 1, mb, out)
             elif units.owns_head(last):
-                loss, num_tokens = masked_loss_sum(out, contexts[mb].batch["loss_mask"])
-                outputs[mb] = reported_loss(loss, num_tokens)
+                outputs[mb] = apply_loss(contexts[mb].loss_func, out,
+                                         num_microbatches=len(contexts), config=units.config,
+                                         for_backward=False)[2]
             else:
                 outputs[mb] = out
     with timeline.span(f"release u{unit}", "weights"):
@@ -97,29 +103,27 @@ def backward_sweep(units: GPTUnits, contexts, store: UnitStore, group: list[int]
     ``output_grads``: micro-batch -> gradient of the stage's output, from the next stage
     (None on the stage that ends the model, whose last unit computes the loss here).
     ``gradients_final``: this is the step's last visit of the units (the store may then
-    hand their gradients to the optimizer). Returns (losses, tokens, input_grads): the
-    reported losses and token count where the stage ends the model, and micro-batch ->
-    gradient of the stage's input where it does not start it.
+    hand their gradients to the optimizer). Returns (reports, tokens, input_grads): what
+    the loss function reports per micro-batch and the token count where the stage ends the
+    model, and micro-batch -> gradient of the stage's input where it does not start it.
     """
     last = units.num_units - 1
-    losses = {}
-    # on the loss mask's device: the token counts added to it are computed there
-    total_tokens = torch.zeros([], dtype=torch.int,
-                               device=contexts[group[0]].batch["loss_mask"].device)
+    reports = {}
+    total_tokens = 0
     grad_of_output = dict(output_grads or {})  # micro-batch -> d loss / d (unit output)
     store.begin_group(group)
     with timeline.span("backward sweep", "sweep"):
         for unit in range(last, -1, -1):
             total_tokens += _backward_unit(units, contexts, store, group, unit,
-                                           rng_states=rng_states, losses=losses,
+                                           rng_states=rng_states, reports=reports,
                                            grad_of_output=grad_of_output,
                                            num_microbatches=num_microbatches,
                                            gradients_final=gradients_final)
-    return losses, total_tokens, grad_of_output
+    return reports, total_tokens, grad_of_output
 
 
 def _backward_unit(units: GPTUnits, contexts, store: UnitStore, group: list[int], unit: int, *,
-                   rng_states: dict, losses: dict, grad_of_output: dict, num_microbatches: int,
+                   rng_states: dict, reports: dict, grad_of_output: dict, num_microbatches: int,
                    gradients_final: bool):
     """Recompute and backpropagate every micro-batch of ``group`` through ``unit``: one step
     of the backward sweep. Returns the loss tokens counted (0 unless it ends the model)."""
@@ -140,11 +144,11 @@ def _backward_unit(units: GPTUnits, contexts, store: UnitStore, group: list[int]
                 with replay, torch.enable_grad(), units.autocast(), store.saved_tensors():
                     out = units.forward_unit(unit, hidden, ctx)
                 if units.owns_head(unit):
-                    loss, num_tokens = masked_loss_sum(out, ctx.batch["loss_mask"])
-                    losses[mb] = reported_loss(loss, num_tokens)
+                    loss, num_tokens, reports[mb] = apply_loss(
+                        ctx.loss_func, out, num_microbatches=num_microbatches,
+                        config=units.config, for_backward=True)
                     tokens = tokens + num_tokens
-                    torch.autograd.backward(scale_for_backward(loss, num_tokens,
-                                                               num_microbatches, units.config))
+                    torch.autograd.backward(loss)
                 else:
                     torch.autograd.backward(out, grad_tensors=grad_of_output.pop(mb))
                 del out

@@ -12,15 +12,20 @@ group of all M micro-batches is this schedule.
 Numbers: each micro-batch sees exactly the module calls Megatron's schedule makes, so losses
 are bit-identical; a parameter's gradient is the same per-micro-batch terms summed in snake
 order instead of 0..M-1 (bit-identical for M <= 2, within float rounding otherwise).
+
+These two take a list of batch dicts and pretrain_gpt's forward step, and return the
+per-micro-batch losses: the form tests and benchmarks drive the schedule in. Training runs
+call ``pipeline.snake_forward_backward`` itself, with Megatron's signature.
 """
 
 from __future__ import annotations
 
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.schedule.pipeline import check_microbatches, snake_forward_backward
+from megatron_snake.schedule.loss import microbatch_call, report_losses
+from megatron_snake.schedule.pipeline import snake_forward_backward
 from megatron_snake.schedule.unit_store import UnitStore
 
-__all__ = ["check_microbatches", "horizontal_forward_backward", "vertical_forward_backward"]
+__all__ = ["horizontal_forward_backward", "vertical_forward_backward"]
 
 
 def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
@@ -36,9 +41,10 @@ def vertical_forward_backward(model, microbatches, *, checkpoint_interval: int =
     ``group_size`` (default: all micro-batches) cuts the step into snake groups. ``units``:
     the model's unit partition, when the caller made it once for the run (else made here).
     """
-    return snake_forward_backward(model, microbatches, group_size=group_size,
-                                  checkpoint_interval=checkpoint_interval,
-                                  forward_only=forward_only, store=store, units=units)
+    return report_losses(snake_forward_backward(
+        **microbatch_call(model, microbatches), forward_only=forward_only,
+        group_size=group_size, checkpoint_interval=checkpoint_interval, store=store,
+        units=units))
 
 
 def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int = 1,
@@ -49,6 +55,6 @@ def horizontal_forward_backward(model, microbatches, *, checkpoint_interval: int
     forward through every unit and then backward before the next starts, and every unit's
     weights are acquired once per micro-batch: weight traffic grows with M, which is what
     the vertical schedule removes. Gradients are summed in Megatron's order 0..M-1."""
-    return snake_forward_backward(model, microbatches, group_size=1,
-                                  checkpoint_interval=checkpoint_interval,
-                                  forward_only=forward_only, store=store, units=units)
+    return vertical_forward_backward(model, microbatches, checkpoint_interval=checkpoint_interval,
+                                     forward_only=forward_only, store=store, group_size=1,
+                                     units=units)

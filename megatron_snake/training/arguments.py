@@ -1,4 +1,6 @@
-"""Command-line flags: Megatron-LM's names and defaults, plus the ``--snake-*`` flags.
+"""The command line of this project's own entry point (``examples/pretrain_gpt.py``):
+Megatron-LM's flags, with Megatron-LM's names and defaults, for what this loop runs, plus
+the ``--snake-*`` flags (``snake_args``, shared with the Megatron-LM plug-in).
 
 Model-shape flags default to a tiny GPT so that ``python examples/pretrain_gpt.py
 --snake-offload`` runs a demo on any machine; every default is shown by ``--help``.
@@ -6,48 +8,30 @@ Model-shape flags default to a tiny GPT so that ``python examples/pretrain_gpt.p
 Each flag rule lives in one place. A rule about one component's value lives beside that
 component (``check_alpha``, ``check_checkpoint_interval``, ``snake_groups``,
 ``ZenFlowSettings``, ``build_tokenizer``, ``data_parallel_size``) and ``validate_args`` calls
-it, so the command line and a direct caller get the same message. Rules about how flags
-combine live here, and only here.
+it, so the command line and a direct caller get the same message. Rules about how the
+Megatron flags combine live here; those about the --snake-* flags in ``snake_args``.
 """
-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
 
 import torch
 
-from megatron_snake.models.gpt_units import check_checkpoint_interval
 from megatron_snake.optim.adamw import check_clip_grad
-from megatron_snake.optim.offloaded_adamw import check_alpha
-from megatron_snake.optim.zenflow import ZenFlowSettings
-from megatron_snake.planner.hardware import load_profile
-from megatron_snake.schedule.pipeline import default_group_size, snake_groups
-from megatron_snake.storage.errors import OffloadError
-from megatron_snake.storage.host_pool import (check_host_memory_limit,
-                                             physical_memory_bytes)
-from megatron_snake.storage.sizes import parse_size
 from megatron_snake.training.distributed import data_parallel_size
+from megatron_snake.training.snake_args import add_snake_args
+from megatron_snake.training.snake_args import check_rule as _check
+from megatron_snake.training.snake_args import fail as _fail
+from megatron_snake.training.snake_args import (refuse_flags_snake_auto_chooses,
+                                                validate_snake_args)
 from megatron_snake.training.tokenizer import (add_tokenizer_args, build_tokenizer,
                                                  tokenizer_flags)
 from megatron_snake.training.tracking import check_tracking_args
 
-SNAKE_SCHEDULES = ("vertical", "horizontal")
 DEFAULT_SPLIT = "969, 30, 1"  # --split with --data-path unless given (Megatron-LM's)
-# Flags of the offloaded state: their defaults apply with --snake-offload, and given
-# without it they are an error.
-OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
-                         "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None}
-# The settings --snake-auto chooses: given with it, they are an error (not silently ignored).
-AUTO_CHOSEN_FLAGS = ("--snake-group-size", "--snake-alpha", "--snake-checkpoint-interval",
-                     "--snake-param-tier", "--snake-optimizer-tier", "--snake-activation-tier")
-SNAKE_TIERS = ("device", "host", "nvme")
-ACTIVATION_TIERS = SNAKE_TIERS + ("auto",)
-IO_ENGINES = ("auto", "uring", "threads", "python", "gds")
-ZENFLOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZenFlowSettings)}
 # Ranges of single flags (a value outside crashed deep inside, or was silently misread).
 # A float flag is refused as NaN or infinite too. A flag left out (None) is not checked.
 AT_LEAST_ONE = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--log-interval",
@@ -75,13 +59,23 @@ RANGES = ((AT_LEAST_ONE, lambda v: v >= 1, ">= 1"),
 # numpy's seeds are 0 .. 2**32 - 1, and set_seed adds 100 per pipeline stage
 SEED_LIMIT = 2 ** 32 - 1
 SEED_STAGE_OFFSET = 100
-DEFAULT_TRACE_ITERATION = 2   # the first steady iteration
 PATHS = ("--save", "--load", "--pretrained-checkpoint", "--snake-offload-dir", "--snake-plan-json", "--data-cache-path",
          "--tensorboard-dir", "--wandb-save-dir")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A refused flag is one line, ``prog: error: --flag: why``, without the usage dump
+    argparse prints before it, and on one rank: every rank parses the same command line
+    (torchrun's RANK; exit status 2 on all of them)."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="pretrain_gpt.py",
         description="Pretrain a Megatron-Core GPT; --snake-offload uses megatron_snake's "
                     "vertical schedule.",
@@ -256,140 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "$MEGATRON_SNAKE_DATA_CACHE or ~/.cache/megatron_snake")
     add_tokenizer_args(g)
 
-    g = p.add_argument_group("megatron_snake")
-    g.add_argument("--snake-offload", action="store_true",
-                   help="train with the vertical (snake) schedule over the tiered store")
-    g.add_argument("--snake-checkpoint-interval", type=int, default=1,
-                   help="layers per unit: the granularity of weight loading and recompute")
-    g.add_argument("--snake-schedule", default="vertical", choices=SNAKE_SCHEDULES,
-                   help="micro-batch order over the store: vertical (unit-major, snake) or "
-                        "horizontal (Megatron's micro-batch-major order, weights fetched per "
-                        "micro-batch: for ablations)")
-    g.add_argument("--snake-group-size", type=int, default=None,
-                   help="micro-batches per snake group G: a stage sweeps G micro-batches "
-                        "through its units before passing them on, so weights are read M/G "
-                        "times per sweep and the pipeline bubble is about (p-1)/(M/G+p-1). "
-                        "Default: M with one pipeline stage (pure GreedySnake); with p > 1 "
-                        "stages the largest divisor of M giving at least 4(p-1) groups")
-    g.add_argument("--snake-offload-dir", default=None,
-                   help="existing directory for offloaded state (rank<N>/ is made below "
-                        "it); may be a template with {node} (this node's index, torchrun's "
-                        "GROUP_RANK), {hostname}, {rank} and {local_rank}, e.g. "
-                        "/nvme/{node}/{local_rank}; default: a new temporary directory")
-    g.add_argument("--snake-activation-tier", default=None, choices=ACTIVATION_TIERS,
-                   help="where unit inputs (activation checkpoints) live between the forward "
-                        "and backward sweeps; auto: profile, then place each by a "
-                        "lifetime-aware plan (the device within --snake-gpu-memory-limit, "
-                        "host memory when it fits, else the drive). Default: auto for the "
-                        "vertical schedule, nvme otherwise (the horizontal ablation, "
-                        "--snake-activation-offload alone)")
-    g.add_argument("--snake-profile-iters", type=int, default=2,
-                   help="iterations profiled before the activation plan is made (auto tier)")
-    g.add_argument("--snake-plan-json", default=None,
-                   help="where the activation plan is written (auto tier); default "
-                        "<offload-dir>/activation_plan_rank<N>.json with --snake-offload-dir")
-    g.add_argument("--snake-activation-offload", action="store_true",
-                   help="SSDTrain: tensors autograd saves go to --snake-activation-tier (nvme "
-                        "for the vertical schedule unless that tier is host) and come back "
-                        "for backward, deduplicated and prefetched; with Megatron's schedule, "
-                        "or with --snake-offload inside each unit's recompute")
-    g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
-                   help="saved tensors smaller than this stay in memory")
-    g.add_argument("--snake-param-tier", default=None, choices=("host", "nvme", "auto"),
-                   help="where unit working weights live between their uses (default nvme "
-                        "with --snake-offload); auto: host when "
-                        "they fit in a quarter of --snake-host-memory-limit, else nvme")
-    g.add_argument("--snake-optimizer-tier", default=None, choices=("host", "nvme", "auto"),
-                   help="where fp32 master weights, Adam moments and gradients live (default "
-                        "nvme with --snake-offload); auto: "
-                        "host when they fit in what a quarter of --snake-host-memory-limit "
-                        "leaves after the weights, else nvme")
-    g.add_argument("--snake-alpha", type=float, default=None,
-                   help="fraction of each unit's optimizer update deferred from the backward "
-                        "sweep to the next forward sweep (0 to 0.5, default "
-                        f"{OFFLOAD_ONLY_DEFAULTS['--snake-alpha']}); with --clip-grad the "
-                        "whole update waits for the global norm and runs in the forward sweep")
-    g.add_argument("--snake-gpu-memory-limit", default=None,
-                   help="compute-device memory the offloaded run may use (e.g. 40GiB); checked "
-                        "at start against the largest unit's working set; what is left after "
-                        "it and the step's checkpoints keeps units' weights on the device "
-                        "(pinned: not re-read each sweep). Default: no check, nothing pinned")
-    g.add_argument("--snake-host-memory-limit", default="2GiB",
-                   help="hard limit of the host buffer pool (e.g. 4GiB)")
-    g.add_argument("--snake-auto", action="store_true",
-                   help="choose " + ", ".join(AUTO_CHOSEN_FLAGS) + " by the cost model "
-                        "(megatron_snake/planner) for --snake-hardware: the least predicted "
-                        "step time within the device's memory, --snake-host-memory-limit and "
-                        "the drives; prints the choice and its predicted breakdown, then "
-                        "trains with it")
-    g.add_argument("--snake-hardware", default=None, metavar="PROFILE",
-                   help="hardware profile for --snake-auto and --snake-dry-run's prediction: "
-                        "a JSON file (tools/calibrate.py) or a shipped profile's name "
-                        "(megatron_snake/planner/profiles/)")
-    g.add_argument("--snake-dry-run", action="store_true",
-                   help="with --snake-offload: print the pre-flight (the bytes each tier "
-                        "needs: the device's working set, host memory, drive space), check "
-                        "it, and exit before the model is built")
-    g.add_argument("--snake-trace", default=None, metavar="FILE",
-                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev, "
-                        "tools/plot_timeline.py) of one training iteration to FILE: compute, "
-                        "each store worker, the drive, the optimizer worker, collectives and "
-                        "waits, one row per thread")
-    g.add_argument("--snake-trace-iteration", type=int, default=None,
-                   help="the iteration of this run --snake-trace records, counted from 1, at "
-                        "most --train-iters (default "
-                        f"{DEFAULT_TRACE_ITERATION}: the first steady one; the last if the "
-                        "run is shorter)")
-    g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
-                   help="how offloaded bytes reach the drive: auto (native io_uring, else "
-                        "the native thread pool, else Python), uring, threads (the native "
-                        "pthread pool), python (threads + preadv/pwritev), or gds "
-                        "(GPUDirect Storage through kvikio for GPU tensors; falls back to "
-                        "auto, saying why, where cuFile is not in use)")
-
-    g = p.add_argument_group("ZenFlow (approximate: important columns at once, the rest late)")
-    g.add_argument("--snake-zenflow", action="store_true",
-                   help="APPROXIMATE optimizer mode (ZenFlow): the top gradient columns of each "
-                        "2-D weight and all 1-D parameters are updated at once on the compute "
-                        "device, the rest accumulate in host memory and a CPU AdamW applies "
-                        "them every update-interval steps; with Megatron's schedule (weights "
-                        "on the compute device, optimizer state in host memory)")
-    g.add_argument("--snake-zenflow-topk-ratio", type=float, default=None,
-                   help=f"fraction of each 2-D weight's columns (by per-column sum of |grad|) "
-                        f"updated at once, in (0, 1] (default {ZENFLOW_DEFAULTS['topk_ratio']})")
-    g.add_argument("--snake-zenflow-select-interval", type=int, default=None,
-                   help="steps between column re-selections, >= the update interval "
-                        f"(default {ZENFLOW_DEFAULTS['select_interval']})")
-    g.add_argument("--snake-zenflow-update-interval", type=int, default=None,
-                   help="steps whose gradients of the other columns are accumulated before "
-                        f"the CPU applies them (default {ZENFLOW_DEFAULTS['update_interval']})")
-    g.add_argument("--snake-zenflow-full-warmup-steps", type=int, default=None,
-                   help="first steps that are exact full AdamW updates on the CPU "
-                        f"(default {ZENFLOW_DEFAULTS['full_warmup_steps']})")
-    g.add_argument("--snake-zenflow-overlap-step", action="store_true", default=None,
-                   help="run the CPU update in the background during the next update "
-                        "interval (it lands one interval later) instead of at once")
+    add_snake_args(p)
     return p
-
-
-def _validate_auto(args, parser) -> None:
-    if args.snake_auto and not args.snake_offload:
-        _fail(parser, "--snake-auto", "configures --snake-offload's run; add --snake-offload")
-    if args.snake_auto and args.snake_schedule != "vertical":
-        _fail(parser, "--snake-auto", "plans the vertical schedule; drop --snake-schedule "
-              "horizontal")
-    if args.snake_hardware is None:
-        if args.snake_auto:
-            _fail(parser, "--snake-auto", "needs --snake-hardware PROFILE (measure one with "
-                  "tools/calibrate.py, or name a shipped one such as h100_4x_gen4)")
-        return
-    if not (args.snake_auto or args.snake_dry_run):
-        _fail(parser, "--snake-hardware", "is read by --snake-auto and --snake-dry-run; add "
-              "one of them or drop the flag")
-    if args.snake_schedule != "vertical" or args.snake_activation_offload:
-        _fail(parser, "--snake-hardware", "the cost model plans the vertical schedule "
-              "without --snake-activation-offload; drop one of them")
-    _check(parser, load_profile, args.snake_hardware, "--snake-hardware")
 
 
 def _validate_data(args, parser) -> None:
@@ -418,25 +280,6 @@ def _validate_data(args, parser) -> None:
         if args.split is None:
             args.split = DEFAULT_SPLIT
     args.mock_data = not (args.data_path or given)
-
-
-def _validate_trace(args, parser) -> None:
-    given = args.snake_trace_iteration
-    if args.snake_trace is None:
-        if given is not None:
-            _fail(parser, "--snake-trace-iteration", "chooses the iteration --snake-trace "
-                  "records; add --snake-trace FILE or drop the flag")
-        return
-    if given is not None and given > args.train_iters:
-        _fail(parser, "--snake-trace-iteration", f"{given} is never reached in a run of "
-              f"--train-iters {args.train_iters}; give 1 to {args.train_iters}")
-    if given is None:   # the default: the loop takes the last iteration of a shorter run
-        args.snake_trace_iteration = DEFAULT_TRACE_ITERATION
-    folder = os.path.dirname(os.path.abspath(args.snake_trace))
-    if os.path.isdir(args.snake_trace) or not os.path.isdir(folder) or \
-            not os.access(folder, os.W_OK):
-        _fail(parser, "--snake-trace", f"{args.snake_trace!r} must name a file in an "
-              "existing, writable directory (it is written at the traced iteration)")
 
 
 def _validate_loading(args, parser) -> None:
@@ -487,19 +330,6 @@ def _validate_tracking(args, parser) -> None:
               f"done before profiling in a run of --train-iters {args.train_iters}")
 
 
-def _fail(parser: argparse.ArgumentParser, flag: str, message: str):
-    parser.error(f"{flag}: {message}")
-
-
-def _check(parser: argparse.ArgumentParser, rule, *values):
-    """Apply a component's own rule to flag values; its ValueError (which names the flag)
-    becomes the usage error."""
-    try:
-        return rule(*values)
-    except (ValueError, OffloadError) as exc:
-        parser.error(str(exc))
-
-
 def _validate_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Each flag's own range, before anything divides by it. The checks are written
     ``not (finite and in range)``: NaN compares False with everything, so ``nan < 0`` would
@@ -525,37 +355,10 @@ def _validate_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def _validate_pipeline(args, parser) -> None:
-    """Pipeline stages and snake groups."""
     pp = args.pipeline_model_parallel_size
     if args.num_layers % pp:
         _fail(parser, "--pipeline-model-parallel-size", f"--num-layers {args.num_layers} is "
               f"not divisible by {pp} stages; choose layers that split evenly")
-    if args.snake_offload and args.snake_checkpoint_interval > args.num_layers // pp:
-        _fail(parser, "--snake-checkpoint-interval", f"{args.snake_checkpoint_interval} layers "
-              f"per unit is more than the {args.num_layers // pp} layers of a pipeline stage; "
-              f"use at most {args.num_layers // pp} (one unit per stage)")
-    if args.snake_group_size is not None:
-        if not args.snake_offload:
-            _fail(parser, "--snake-group-size", "applies to the vertical schedule; add "
-                  "--snake-offload or drop the flag")
-        if args.snake_schedule == "horizontal":
-            _fail(parser, "--snake-group-size", "the horizontal schedule runs micro-batch by "
-                  "micro-batch; drop --snake-group-size or use --snake-schedule vertical")
-        _check(parser, snake_groups, args.num_microbatches, args.snake_group_size)
-    elif args.snake_offload:
-        args.snake_group_size = default_group_size(args.num_microbatches, pp)
-    if args.snake_offload and args.sequence_parallel:
-        _fail(parser, "--sequence-parallel", "is not supported with --snake-offload yet: the "
-              "offloaded optimizer does not all-reduce the sequence-parallel layer-norm "
-              "gradients across tensor-parallel ranks; drop one of the two flags")
-    if args.snake_activation_offload and not args.snake_offload and pp > 1:
-        _fail(parser, "--snake-activation-offload", "without --snake-offload wraps Megatron's "
-              "no-pipelining schedule; with --pipeline-model-parallel-size > 1 add "
-              "--snake-offload (offload inside each unit's recompute) or drop it")
-    if args.snake_offload and pp > 1:
-        if args.snake_schedule == "horizontal":
-            _fail(parser, "--snake-schedule", "horizontal is a one-stage ablation; use "
-                  "vertical with --pipeline-model-parallel-size > 1")
 
 
 def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
@@ -563,11 +366,7 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     the planner passes the world it plans."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.snake_auto:
-        given = sys.argv[1:] if argv is None else argv
-        for flag in AUTO_CHOSEN_FLAGS:
-            if any(a == flag or a.startswith(flag + "=") for a in given):
-                _fail(parser, flag, "is chosen by --snake-auto; drop one of the two")
+    refuse_flags_snake_auto_chooses(args, parser, sys.argv[1:] if argv is None else argv)
     validate_args(args, parser, world_size)
     return args
 
@@ -596,54 +395,11 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} "
               f"(= {per_step}); choose a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    _check(parser, check_checkpoint_interval, args.snake_checkpoint_interval)
-    for flag in ("--snake-host-memory-limit", "--snake-gpu-memory-limit"):
-        attr = flag[2:].replace("-", "_")
-        if getattr(args, attr) is not None:
-            try:
-                setattr(args, attr, parse_size(getattr(args, attr)))
-            except ValueError as exc:
-                _fail(parser, flag, str(exc))
-    if args.snake_offload or args.snake_activation_offload:   # the store's host pool
-        # a world given by the caller is one being planned (tools/plan.py), perhaps for
-        # another machine, whose memory is its hardware profile's, not this one's
-        here = physical_memory_bytes() if planned_world is None else None
-        _check(parser, lambda: check_host_memory_limit(args.snake_host_memory_limit,
-                                                       physical_bytes=here))
-    if args.snake_activation_tier is None:   # placed by the plan where there is one to make
-        args.snake_activation_tier = "auto" if args.snake_offload and \
-            args.snake_schedule == "vertical" else "nvme"
-    if args.snake_activation_offload and not args.snake_offload and \
-            args.snake_activation_tier == "device":
-        _fail(parser, "--snake-activation-tier", "use host or nvme with "
-              "--snake-activation-offload")
-    if args.snake_activation_tier == "auto" and args.snake_schedule == "horizontal":
-        _fail(parser, "--snake-activation-tier", "auto plans the vertical schedule's "
-              "checkpoints; the horizontal ablation has none to plan: use host or nvme")
-    if args.snake_activation_offload and not args.snake_offload and \
-            args.snake_activation_tier == "auto":
-        _fail(parser, "--snake-activation-tier", "auto applies to the vertical schedule's "
-              "checkpoints (--snake-offload); use host or nvme with --snake-activation-offload")
-    for flag, default in OFFLOAD_ONLY_DEFAULTS.items():  # nothing is silently ignored
-        attr = flag[2:].replace("-", "_")
-        if not args.snake_offload and getattr(args, attr) is not None:
-            _fail(parser, flag, "configures --snake-offload's offloaded state; add "
-                  "--snake-offload or drop the flag")
-        if args.snake_offload and getattr(args, attr) is None:
-            setattr(args, attr, default)
-    if args.snake_dry_run and not args.snake_offload:
-        _fail(parser, "--snake-dry-run", "estimates --snake-offload's run; add "
-              "--snake-offload or drop the flag")
-    _validate_io_engine(args, parser)
-    _validate_trace(args, parser)
-    _validate_tracking(args, parser)
-    _validate_auto(args, parser)
-    if args.snake_offload:
-        _check(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)
+    _validate_tracking(args, parser)
+    validate_snake_args(args, parser, planned=planned_world is not None)
     if args.bf16 and args.fp16:
         _fail(parser, "--bf16", "--bf16 and --fp16 are mutually exclusive")
-    _validate_zenflow(args, parser)
     if args.hidden_size % args.num_attention_heads:
         _fail(parser, "--num-attention-heads", f"--hidden-size {args.hidden_size} is not "
               f"divisible by --num-attention-heads {args.num_attention_heads}")
@@ -682,40 +438,3 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
     return args
-
-
-def _validate_io_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """--snake-io-engine needs a store to drive, and the native engines need their build."""
-    if args.snake_io_engine == "auto":
-        return
-    if not (args.snake_offload or args.snake_activation_offload):
-        _fail(parser, "--snake-io-engine", "configures the offload store; add --snake-offload "
-              "or --snake-activation-offload, or drop the flag")
-    from megatron_snake.storage.engine import native_available
-
-    if args.snake_io_engine in ("uring", "threads") and not native_available():
-        _fail(parser, "--snake-io-engine", f"{args.snake_io_engine} is a native engine and "
-              "megatron_snake._snake_aio is not built here; install liburing-dev and a C "
-              "compiler and reinstall (bash tools/install.sh), or use python")
-
-
-def _validate_zenflow(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """ZenFlow's knobs need --snake-zenflow (a knob is never silently ignored) and build
-    ``args.zenflow``, which checks their values; refuse what ZenFlow does not combine with."""
-    given = {key: getattr(args, f"snake_zenflow_{key}") for key in ZENFLOW_DEFAULTS}
-    given = {key: value for key, value in given.items() if value is not None}
-    args.zenflow = None
-    if not args.snake_zenflow:
-        for key in given:
-            _fail(parser, "--snake-zenflow-" + key.replace("_", "-"), "needs --snake-zenflow")
-        return
-    if args.snake_offload:
-        _fail(parser, "--snake-zenflow", "cannot be combined with --snake-offload: ZenFlow "
-              "keeps the working weights on the compute device (ZeRO-Offload style) while "
-              "--snake-offload moves them unit by unit; drop one of the two flags")
-    if args.fp16:
-        _fail(parser, "--fp16", "--snake-zenflow has no loss scaler yet; use --bf16 or fp32")
-    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        _fail(parser, "--tensor-model-parallel-size", "--snake-zenflow supports data "
-              "parallelism only (tensor and pipeline parallel size 1)")
-    args.zenflow = _check(parser, lambda: ZenFlowSettings(**given))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from megatron_snake.planner import DoesNotFit, Hardware, Prediction, load_profile, predict
 from megatron_snake.storage.errors import HostMemoryError
 from megatron_snake.training import preflight
-from megatron_snake.training.arguments import AUTO_CHOSEN_FLAGS
+from megatron_snake.training.snake_args import AUTO_CHOSEN_FLAGS
 from megatron_snake.training.workload import workload_from_args
 
 ALPHAS = (0.0, 0.125, 0.25, 0.375, 0.5)

@@ -28,15 +28,17 @@ from megatron_snake.training import offloaded_state
 from megatron_snake.training.model import build_gpt_model, wrap_ddp
 from megatron_snake.training.optimizer import (build_optimizer, build_scheduler,
                                                build_zenflow_optimizer)
-from megatron_snake.training.step import (StepResult, check_activation_plan_path,
-                                          make_forward_backward)
+from megatron_snake.schedule.loss import microbatch_call
+from megatron_snake.training.step import check_activation_plan_path, make_forward_backward
 
 
 @dataclass
 class StepOutcome:
-    """One training step: what the step function gave back and what the optimizer did."""
+    """One training step: what the loss function reported per micro-batch (on the last
+    pipeline stage), the offloaded activations' peak bytes, and what the optimizer did."""
 
-    result: StepResult
+    reports: list
+    activation_peak: dict
     update_successful: bool   # False: fp16 found an overflow and skipped the update
     grad_norm: float | None
 
@@ -50,25 +52,32 @@ class Run:
     model: torch.nn.Module        # what the step function takes (DDP-wrapped without offload)
     optimizer: object
     scheduler: object
-    forward_backward: Callable[..., StepResult]
+    forward_backward: Callable[..., list]   # Megatron's forward_backward_func signature
     tensor_store: object | None = None
     offloaded: offloaded_state.OffloadedState | None = None
     n_params: int = 0             # this rank's parameters, counted before any offloading
 
     def step(self, microbatches: list[dict]) -> StepOutcome:
-        """Zero the gradients, run forward and backward over ``microbatches``, update, and
-        advance the learning-rate schedule by the global batch when the update was made."""
+        """Zero the gradients, run forward and backward over ``microbatches`` with
+        pretrain_gpt's forward step, update, and advance the learning-rate schedule by the
+        global batch when the update was made (Megatron-LM's ``train_step``)."""
         if hasattr(self.model, "zero_grad_buffer"):   # Megatron's DDP gradient buffers
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         # named ranges for --snake-trace and torch.profiler (next to nothing otherwise)
         with timeline.span("forward_backward", "step"):
-            result = self.forward_backward(self.model, microbatches)
+            reports = self.forward_backward(**microbatch_call(self.model, microbatches))
         with timeline.span("optimizer step", "step boundary"):
             update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
-        return StepOutcome(result, update_successful, grad_norm)
+        return StepOutcome(reports, getattr(self.forward_backward, "activation_peak", {}),
+                           update_successful, grad_norm)
+
+    def evaluate(self, microbatches: list[dict]) -> list:
+        """Forward only over ``microbatches``: what the loss function reports."""
+        return self.forward_backward(**microbatch_call(self.model, microbatches),
+                                     forward_only=True)
 
     def finish(self) -> None:
         """Apply pending updates and stop the optimizer's worker."""
@@ -107,19 +116,33 @@ def schedule_name(args: argparse.Namespace) -> str:
             f"(expected bubble {bubble:.0%})")
 
 
+ModelBuilder = Callable[[Callable[[torch.nn.Module], None] | None], torch.nn.Module]
+
+
 @contextmanager
 def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *,
-              rank: int = 0, log: Callable[[str], None] = print) -> Iterator[Run]:
+              rank: int = 0, log: Callable[[str], None] = print,
+              build_model: ModelBuilder | None = None,
+              make_scheduler: Callable | None = None) -> Iterator[Run]:
     """The run ``args`` describe, on ``device`` (Megatron's parallel state initialized).
-    On exit the optimizer's pending updates land and the store's files are removed."""
+    On exit the optimizer's pending updates land and the store's files are removed.
+
+    ``build_model(on_built)``: the GPTModel of this pipeline stage, on ``device``, calling
+    ``on_built(layer)`` with each decoder layer as soon as it is built and
+    ``on_built(model)`` at the end (default: ``build_gpt_model`` from the flags; the
+    Megatron-LM plug-in builds through the user's model provider).
+    ``make_scheduler(optimizer)``: the offloaded optimizer's learning-rate schedule
+    (default: ``build_scheduler`` from the flags; the plug-in uses Megatron-LM's)."""
+    if build_model is None:
+        def build_model(on_built):
+            return build_gpt_model(args, vocab_size, device, on_built=on_built)
     with offloaded_state.open_store(args, device, rank) as tensor_store:
         # before the model and its offloaded state are built, not once they are
         check_activation_plan_path(args, tensor_store)
         # offloaded: each layer's values go to the store as soon as Megatron initialises
         # them, so the model is never whole in memory
         initial = InitialWeights(tensor_store) if args.snake_offload else None
-        gpt = build_gpt_model(args, vocab_size, device,
-                              on_built=initial.spill if initial else None)
+        gpt = build_model(initial.spill if initial else None)
         n_params = sum(p.numel() for p in gpt.parameters())
         log(f"> megatron_snake: {n_params / 1e6:.2f}M parameters on this rank, "
             f"{whole_model_parameters(gpt, device) / 1e6:.2f}M in the whole model, device "
@@ -137,7 +160,7 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
             log(f"> offload directory {tensor_store.dir.path}, I/O engine "
                 f"{tensor_store.engine.name}")
             model, optimizer = gpt, state.optimizer
-            scheduler = build_scheduler(args, optimizer)
+            scheduler = (make_scheduler or (lambda o: build_scheduler(args, o)))(optimizer)
             config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
             forward_backward = make_forward_backward(args, tensor_store, device, state.weights,
                                                      state.units)

@@ -565,11 +565,21 @@ def load_checkpoint(checkpoint: Checkpoint, *, args, optimizer: bool = True) -> 
 def refuse_other_settings(root: str, saved: dict, args, *, keys=MUST_MATCH) -> None:
     """Refuse a checkpoint whose ``keys`` flags in ``saved`` differ from this run's, naming
     each (both formats check their saved flags with this)."""
-    differ = [f"--{k.replace('_', '-')} saved {saved.get(k)!r} now {getattr(args, k)!r}"
-              for k in keys if saved.get(k) != getattr(args, k)]
+    here = vars(args)
+    differ = [f"--{k.replace('_', '-')} saved {_setting(saved, k)!r} now {_setting(here, k)!r}"
+              for k in keys if _setting(saved, k) != _setting(here, k)]
     if differ:
         raise CheckpointMismatchError(f"--load {root}: the checkpoint was saved with other "
                                       "settings: " + ", ".join(differ))
+
+
+def _setting(flags: dict, key: str):
+    """A flag's value as the model uses it: without --group-query-attention every head is
+    its own group, whatever --num-query-groups says (Megatron-LM sets it to the head count
+    only when it first counts FLOPs, so its saved and fresh flags differ there)."""
+    if key == "num_query_groups" and flags.get("group_query_attention") is False:
+        return flags.get("num_attention_heads")
+    return flags.get(key)
 
 
 def load_units(root: str, state: dict, apply: Callable[[object, dict], None], *,

@@ -20,11 +20,10 @@ import megatron_snake.timeline as timeline
 from megatron_snake.training import torch_dist
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.storage.safe_files import write_file_atomically
-from megatron_snake.training import (auto_config, checkpointing, distributed,
+from megatron_snake.training import (auto_config, checkpointing, distributed, restore,
                                      offloaded_state, preflight)
 from megatron_snake.training.build import Run, build_run
-from megatron_snake.training.checkpoint_dir import (TRACKER, Checkpoint, CheckpointChoiceError,
-                                                    check_save_dir, find_checkpoint)
+from megatron_snake.training.checkpoint_dir import Checkpoint
 from megatron_snake.training.preemption import ExitConditions
 from megatron_snake.training.profiling import StepProfiler
 from megatron_snake.training.tracking import Trackers
@@ -39,73 +38,19 @@ def to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
-def _lm_loss(losses, microbatches) -> float:
-    """Token-weighted mean over the step's micro-batches and data-parallel ranks, the way
-    Megatron-LM averages ``lm loss``; under pipeline parallelism the last stage's figure,
-    on every stage."""
-    # stays zero on a stage before the last; on the batch's device, which NCCL needs
-    totals = torch.zeros(2, dtype=torch.double, device=microbatches[0]["loss_mask"].device)
-    if losses:
-        tokens = [mb["loss_mask"].sum() for mb in microbatches]
-        totals = torch.stack([sum(l.float() * n for l, n in zip(losses, tokens)),
-                              sum(tokens).float()]).double()
+def _lm_loss(reports, device) -> float:
+    """The (sum, count) each micro-batch's loss function reported, summed over the step's
+    micro-batches and data-parallel ranks: Megatron-LM's ``lm loss``; under pipeline
+    parallelism the last stage's figure, on every stage."""
+    # stays zero on a stage before the last; on the compute device, which NCCL needs
+    totals = torch.zeros(2, dtype=torch.double, device=device)
+    if reports:
+        totals = torch.stack([r["lm loss"].view(-1) for r in reports]).sum(dim=0).double()
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
     return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-def _load_scheduler(scheduler, state: dict, root: str) -> None:
-    """Megatron's scheduler asserts when the checkpoint's schedule (counted in samples, so
-    it moves with --global-batch-size) is not this run's: say which flags decide."""
-    try:
-        scheduler.load_state_dict(state)
-    except AssertionError as exc:
-        raise ValueError(
-            f"--load {root}: the checkpoint's learning-rate schedule is not this run's ({exc}; "
-            "a changed --global-batch-size, --lr or --lr-decay-iters does this). Pass "
-            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's, or "
-            "--override-opt_param-scheduler to take this run's flags") from None
-
-
-def checkpoint_to_load(args) -> tuple[Checkpoint | None, bool]:
-    """Megatron-LM's choice: ``--load`` (at ``--ckpt-step``) when it holds a checkpoint,
-    else ``--pretrained-checkpoint`` as a fine-tuning start; and whether it is a
-    fine-tuning start (weights only). Refuses what cannot be read safely (checkpoint_dir)."""
-    if args.load:
-        found = find_checkpoint(args.load, ckpt_step=args.ckpt_step)
-        if found is not None:
-            return found, args.finetune
-    if args.pretrained_checkpoint:
-        found = find_checkpoint(args.pretrained_checkpoint)
-        if found is None:
-            raise CheckpointChoiceError(f"--pretrained-checkpoint {args.pretrained_checkpoint} "
-                                        f"holds no checkpoint (no {TRACKER} and no iteration "
-                                        "directory)")
-        return found, True
-    return None, False
-
-
-def check_checkpoints(args, log) -> tuple[Checkpoint | None, bool]:
-    """Before anything is built: the checkpoint to load (``checkpoint_to_load``), refused
-    when it is beyond ``--train-iters``, and ``--save`` refused when the run would write
-    over an iteration there that it did not save."""
-    source, finetune = checkpoint_to_load(args)
-    if args.load and source is None:   # Megatron-LM: a first run of a job script
-        if args.exit_on_missing_checkpoint:
-            raise CheckpointChoiceError(f"--load {args.load}: no {TRACKER} in it "
-                                        "(--exit-on-missing-checkpoint)")
-        log(f"> --load {args.load} holds no checkpoint yet: training starts from scratch "
-            "(--exit-on-missing-checkpoint refuses instead)")
-    start = source.iteration if source and not finetune else 0
-    if start > args.train_iters:
-        raise CheckpointChoiceError(
-            f"--load {source.root}: its checkpoint is at iteration {start}, beyond "
-            f"--train-iters {args.train_iters}: nothing to train; raise --train-iters to go on")
-    if args.save:
-        check_save_dir(args.save, start=start, last=args.train_iters)
-    return source, finetune
 
 
 def _next_microbatches(iterator, count: int, device: torch.device) -> list[dict]:
@@ -172,71 +117,11 @@ class Trainer:
                        "(torch)")
 
     def restore(self, checkpoint: Checkpoint, *, finetune: bool = False) -> None:
-        """Load ``checkpoint`` into the run and continue from its iteration
-        (``--no-load-optim`` and ``--no-load-rng`` as in Megatron-LM); ``finetune``: the
-        weights only, from iteration 0."""
-        args, run, root = self.args, self.run, checkpoint.root
-        takes_optimizer = not (args.no_load_optim or finetune)
-        if checkpoint.format == "torch_dist":
-            self._restore_torch_dist(checkpoint.folder, root, takes_optimizer, finetune)
-            return
-        state = checkpointing.load_checkpoint(checkpoint, args=args, optimizer=takes_optimizer)
-        gpt = unwrap_model(run.model)
-        if run.offloaded and state["units"]:  # streamed back, one layout at a time
-            weights = run.offloaded.weights
-            weights.check_saved_layouts(state["units"])
-            weights.load_resident_state_dict(gpt, state["model"])
-            checkpointing.load_units(
-                root, state, args=args, apply=lambda key, unit: weights.load_unit_state(
-                    key, unit, optimizer=takes_optimizer))
-        elif run.offloaded:  # saved without --snake-offload (loaded with --no-load-optim)
-            run.offloaded.weights.load_model_state_dict(gpt, state["model"])
-        else:
-            model_state = checkpointing.full_model_state(root, state, args=args)
-            try:
-                gpt.load_state_dict(model_state)
-            except RuntimeError as exc:   # torch's list of missing keys and other shapes
-                raise checkpointing.CheckpointMismatchError(
-                    f"--load {root}: the checkpoint's model is not this run's: "
-                    f"{' '.join(str(exc).split())[:300]}") from None
-        if takes_optimizer:
-            run.optimizer.load_state_dict(state["optimizer"])
-            _load_scheduler(run.scheduler, state["opt_param_scheduler"], root)
-        elif run.offloaded:
-            # A fresh optimizer copied its master weights before the load: take the loaded
-            # weights instead (what Megatron-LM does with --no-load-optim).
-            run.offloaded.weights.reload_master_weights()
-        else:
-            run.optimizer.reload_model_params()
-        if not (args.no_load_rng or finetune):
-            if state["rng_state"] is None:
-                raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-rng; "
-                                 "pass --no-load-rng")
-            checkpointing.set_rng_state(state["rng_state"])
-        if finetune:
-            self.log.print(f"> loaded the weights of {root} (iteration {state['iteration']}) "
-                           "to fine-tune from iteration 0")
-            return
-        self.iteration, self.consumed = state["iteration"], state["consumed_samples"]
-        self.log.print(f"> loaded checkpoint from {root} at iteration {self.iteration}")
-
-    def _restore_torch_dist(self, folder: str, root: str, takes_optimizer: bool,
-                            finetune: bool) -> None:
-        args, run = self.args, self.run
-        if args.snake_zenflow and takes_optimizer:
-            raise ValueError(f"--load {root}: {folder} is in Megatron's torch_dist format, "
-                             "whose optimizer state --snake-zenflow's split optimizer does "
-                             "not read; pass --no-load-optim to take the weights")
-        loaded = torch_dist.load(folder, root=root, run=run, takes_optimizer=takes_optimizer,
-                                 takes_rng=not (args.no_load_rng or finetune))
-        if takes_optimizer:
-            _load_scheduler(run.scheduler, loaded["opt_param_scheduler"], root)
-        for note in loaded["notes"]:
-            self.log.print(f"> {note}")
+        """Load ``checkpoint`` into the run and continue from its iteration (the weights
+        only, from iteration 0, with ``finetune``)."""
+        restored = restore.restore(self.run, checkpoint, finetune=finetune, log=self.log.print)
         if not finetune:
-            self.iteration, self.consumed = loaded["iteration"], loaded["consumed_samples"]
-        self.log.print(f"> loaded checkpoint from {root} at iteration {loaded['iteration']} "
-                       "(torch_dist)" + (", to fine-tune from iteration 0" if finetune else ""))
+            self.iteration, self.consumed = restored.iteration, restored.consumed_samples
 
     # --- evaluation --------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -248,8 +133,7 @@ class Trainer:
         with torch.no_grad():
             for _ in range(args.eval_iters):
                 mbs = _next_microbatches(it, args.num_microbatches, run.device)
-                result = run.forward_backward(run.model, mbs, forward_only=True)
-                total += _lm_loss(result.losses, mbs)
+                total += _lm_loss(run.evaluate(mbs), run.device)
         run.model.train()
         return total / max(args.eval_iters, 1)
 
@@ -303,7 +187,7 @@ class Trainer:
                 step = run.step(mbs)
             self.iteration += 1
             self.consumed += args.global_batch_size
-            lm_loss = _lm_loss(step.result.losses, mbs)
+            lm_loss = _lm_loss(step.reports, run.device)
             if args.check_for_nan_in_loss_and_grad:
                 _stop_on_nan(self.iteration, lm_loss, step.grad_norm)
             history.append(lm_loss)
@@ -312,7 +196,7 @@ class Trainer:
                           grad_norm=step.grad_norm,
                           loss_scale=run.optimizer.get_loss_scale().item(),
                           skipped=not step.update_successful,
-                          extra=lambda: self._log_extra(step.result.activation_peak))
+                          extra=lambda: self._log_extra(step.activation_peak))
             if self.profiler and (trace := self.profiler.after_step(self.iteration)):
                 self.log.print(f"> --profile: trace written to {trace}")
             if self.valid_ds is not None and args.eval_interval and \
@@ -378,7 +262,7 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
                            seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
     rank = dist.get_rank()
     notes: list[str] = []   # printed once the log is there
-    source, finetune = check_checkpoints(args, notes.append)
+    source, finetune = restore.check_checkpoints(args, notes.append)
     tokenizer = build_tokenizer(**tokenizer_flags(args))
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import io
 import os
 import pickle
 import re
+import signal
 from pathlib import Path
 
 import torch
@@ -67,9 +69,27 @@ _METADATA_GLOBALS = frozenset(
     + [("torch", str(d).removeprefix("torch.")) for d in (
         torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
         torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)])
+
+
+def _flag_enums() -> tuple:
+    """The enum classes Megatron-LM's flags hold (``--exit-signal``'s signal, the model
+    type, the attention backend, ...): every enum of megatron.core's two enum modules.
+    Unpickling one calls the class with a member's value, which looks the member up and
+    runs nothing else."""
+    from megatron.core import enums as core_enums
+    from megatron.core.transformer import enums as transformer_enums
+
+    found = [signal.Signals]
+    for module in (core_enums, transformer_enums):
+        found += [value for value in vars(module).values()
+                  if isinstance(value, type) and issubclass(value, enum.Enum)
+                  and value.__module__ == module.__name__]
+    return tuple(found)
+
+
 # What ``common.pt`` and ShardedObjects may hold beyond torch's own weights_only types:
-# Megatron-LM keeps its flags in an argparse.Namespace.
-COMMON_GLOBALS = (argparse.Namespace,)
+# Megatron-LM keeps its flags in an argparse.Namespace, with a few enums among them.
+COMMON_GLOBALS = (argparse.Namespace, *_flag_enums())
 # The one kind of data file a save writes, in the iteration directory itself: torch's and
 # Megatron's writers name them "<prefix>__<rank>_<n>.distcp" (the prefix: Megatron's
 # separation hint, empty by default). No "/", so no other directory and no "..".

@@ -1,20 +1,19 @@
 """One training step's forward and backward, the three ways a run can take, behind one
-signature: Megatron-Core's own schedule (``forward_backward_no_pipelining``, or 1F1B across
-pipeline stages) with pretrain_gpt's forward step and loss; the same with the tensors
-autograd saves offloaded (``--snake-activation-offload``); and megatron_snake's snake
-schedule over the tiered store (``--snake-offload``). Each takes the model and a list of
-micro-batch dicts and returns a StepResult: the per-micro-batch masked-mean losses and the
-step's telemetry.
+signature, Megatron's ``forward_backward_func``: Megatron-Core's own schedule
+(``forward_backward_no_pipelining``, or 1F1B across pipeline stages); the same with the
+tensors autograd saves offloaded (``--snake-activation-offload``); and megatron_snake's
+snake schedule over the tiered store (``--snake-offload``). Each takes a forward step
+function, a data iterator and the model, and returns what the forward step's loss function
+reports, one per micro-batch: this project's loop and Megatron-LM's ``train_step`` call
+them alike. ``activation_peak`` is the telemetry of the last call (the most bytes each kind
+of offloaded activation held per tier: "unit inputs", "saved tensors"; empty when nothing
+was offloaded or in evaluation).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
 import os
-from typing import Callable
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
@@ -24,70 +23,56 @@ from megatron_snake.offload.activation_plan import (ActivationPlanner, PlanPathE
                                                     check_plan_path)
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader, offloaded_forward_step
-from megatron_snake.schedule.loss import masked_loss_sum
+from megatron_snake.schedule.loss import microbatch_call, report_losses
+from megatron_snake.schedule.pipeline import snake_forward_backward
 from megatron_snake.schedule.unit_store import CombinedStore, InMemoryStore
-from megatron_snake.schedule.vertical import (horizontal_forward_backward,
-                                              vertical_forward_backward)
 from megatron_snake.training.distributed import raise_unless_all_ranks_ok
 from megatron_snake.training.offloaded_state import forward_window, unit_working_set_bytes
 
-@dataclass
-class StepResult:
-    """What one step function call gives back: the per-micro-batch losses (on the last
-    pipeline stage; empty elsewhere), and for the log line the most bytes each kind of
-    offloaded activation held per tier during the step ("unit inputs",
-    "saved tensors"; empty when nothing was offloaded or in evaluation)."""
 
-    losses: list
-    activation_peak: dict = field(default_factory=dict)
-
-
-StepFn = Callable[..., StepResult]
-
-
-def pretrain_gpt_forward_step(data_iterator, model):
-    """Megatron-LM pretrain_gpt's ``forward_step``: the model's per-token loss, and a loss
-    function returning (loss sum, token count, reporting values)."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        loss, num_tokens = masked_loss_sum(output_tensor, batch["loss_mask"])
-        report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
-        return loss, num_tokens, {"lm loss": report}
-
-    return output, loss_func
-
-
-def megatron_forward_backward(model, microbatches, *, forward_only: bool = False,
-                              forward_step=pretrain_gpt_forward_step):
-    """Megatron-Core's schedule for this run: ``forward_backward_no_pipelining``, or its
-    1F1B ``forward_backward_pipelining_without_interleaving`` across pipeline stages (the
-    losses then come back on the last stage only), with pretrain_gpt's forward step (or
-    ``forward_step``, e.g. one whose saved tensors are offloaded)."""
-    tokens = microbatches[0]["tokens"]
-    schedule = forward_backward_no_pipelining
+def megatron_schedule():
+    """Megatron-Core's schedule for this run's pipeline: 1F1B across stages, else
+    ``forward_backward_no_pipelining``."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        schedule = forward_backward_pipelining_without_interleaving
-    store = schedule(
-        forward_step_func=forward_step, data_iterator=iter(microbatches),
-        model=model, num_microbatches=len(microbatches), seq_length=tokens.shape[1],
-        micro_batch_size=tokens.shape[0], forward_only=forward_only)
-    return [(r["lm loss"][0] / r["lm loss"][1].clamp(min=1)).detach() for r in store]
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+def megatron_forward_backward(model, microbatches, *, forward_only: bool = False):
+    """Megatron-Core's schedule over a list of batch dicts with pretrain_gpt's forward
+    step: the per-micro-batch losses (on the last pipeline stage; empty elsewhere). The
+    reference the snake is compared with."""
+    return report_losses(megatron_schedule()(**microbatch_call(model, microbatches),
+                                             forward_only=forward_only))
 
 
 def activation_offload_forward_backward(model, microbatches, *, offloader,
                                        forward_only: bool = False):
-    """Megatron's schedule with the tensors autograd saves offloaded by ``offloader``
-    (SSDTrain); every write has landed when it returns."""
-    for m in (model if isinstance(model, list) else [model]):
-        offloader.add_parameters(m.parameters())  # weights are never offloaded as activations
-    losses = megatron_forward_backward(
-        model, microbatches, forward_only=forward_only,
-        forward_step=offloaded_forward_step(pretrain_gpt_forward_step, offloader))
-    offloader.synchronize()
-    return losses
+    """``megatron_forward_backward`` with the tensors autograd saves offloaded by
+    ``offloader`` (SSDTrain); every write has landed when it returns."""
+    step = ActivationOffloadStep(offloader)
+    return report_losses(step(**microbatch_call(model, microbatches),
+                              forward_only=forward_only))
+
+
+class ActivationOffloadStep:
+    """Megatron's schedule with the tensors autograd saves in the user's forward step
+    offloaded (``--snake-activation-offload`` without ``--snake-offload``)."""
+
+    def __init__(self, offloader: SavedTensorOffloader):
+        self.offloader, self.activation_peak = offloader, {}
+
+    def __call__(self, *, forward_step_func, model, forward_only: bool = False, **kwargs):
+        self.offloader.reset_peak()
+        for m in (model if isinstance(model, list) else [model]):
+            self.offloader.add_parameters(m.parameters())  # weights are never offloaded
+        reports = megatron_schedule()(
+            forward_step_func=offloaded_forward_step(forward_step_func, self.offloader),
+            model=model, forward_only=forward_only, **kwargs)
+        self.offloader.synchronize()
+        self.activation_peak = {} if forward_only else {"saved tensors":
+                                                       dict(self.offloader.peak)}
+        return reports
 
 
 def activation_planner(args, tensor_store, device, weights) -> ActivationPlanner:
@@ -133,67 +118,73 @@ def check_activation_plan_path(args, tensor_store) -> None:
     raise_unless_all_ranks_ok(error, "activation plan path check")
 
 
-def make_forward_backward(args, tensor_store=None, device=None, weights=None,
-                          units=None) -> StepFn:
-    """The step function the flags ask for. With ``--snake-offload``, unit inputs go
-    to ``--snake-activation-tier`` through ``tensor_store``, unit weights come from
-    ``weights`` (an OffloadedUnits) and the unit partition is ``units`` (a GPTUnits made
-    once for the run), when given."""
+def make_forward_backward(args, tensor_store=None, device=None, weights=None, units=None):
+    """The ``forward_backward_func`` the flags ask for. With ``--snake-offload``, unit inputs
+    go to ``--snake-activation-tier`` through ``tensor_store``, unit weights come from
+    ``weights`` (an OffloadedUnits, which then owns the gradients) and the unit partition is
+    ``units`` (a GPTUnits made once for the run), when given."""
     if args.snake_activation_offload and not args.snake_offload:
-        offloader = SavedTensorOffloader(tensor_store, args.snake_activation_tier,
-                                         min_bytes=args.snake_activation_offload_min_bytes)
-
-        def offloaded_megatron_step(model, microbatches, *, forward_only=False):
-            offloader.reset_peak()
-            losses = activation_offload_forward_backward(
-                model, microbatches, forward_only=forward_only, offloader=offloader)
-            return StepResult(losses, {} if forward_only else
-                              {"saved tensors": dict(offloader.peak)})
-
-        return offloaded_megatron_step
+        return ActivationOffloadStep(SavedTensorOffloader(
+            tensor_store, args.snake_activation_tier,
+            min_bytes=args.snake_activation_offload_min_bytes))
     if not args.snake_offload:
-        def megatron_step(model, microbatches, *, forward_only=False):
-            return StepResult(megatron_forward_backward(model, microbatches,
-                                                        forward_only=forward_only))
+        return megatron_schedule()
+    return SnakeStep(args, tensor_store, device, weights, units)
 
-        return megatron_step
-    schedule = horizontal_forward_backward if args.snake_schedule == "horizontal" \
-        else functools.partial(vertical_forward_backward, group_size=args.snake_group_size)
 
-    planner = None
-    if args.snake_activation_tier == "auto":
-        planner = activation_planner(args, tensor_store, device, weights)
-    saved = None
-    if args.snake_activation_offload:  # inside each unit's recompute
-        saved = SavedTensorOffloader(
-            tensor_store, "host" if args.snake_activation_tier == "host" else "nvme",
-            min_bytes=args.snake_activation_offload_min_bytes)
+class SnakeStep:
+    """The snake schedule over the run's store (``--snake-offload``), with Megatron's
+    ``forward_backward_func`` signature: a fresh checkpoint store per step (placed by the
+    activation plan, or on ``--snake-activation-tier``), the unit weights, and the saved
+    tensors of each unit's recompute when ``--snake-activation-offload`` is given too."""
 
-    def snake_step(model, microbatches, *, forward_only: bool = False):
-        checkpoints = InMemoryStore()
-        if planner is not None:
-            checkpoints = planner.step_store(len(microbatches), forward_only=forward_only)
-        elif args.snake_activation_tier != "device":
-            checkpoints = OffloadedUnitInputs(tensor_store, args.snake_activation_tier,
-                                               len(microbatches), device,
-                                               keep_for_next_unit=forward_window(args))
-        if saved is not None:
-            saved.add_parameters(model.parameters())  # never offload weights as activations
-            saved.reset_peak()
-        store = CombinedStore(checkpoints, weights if weights is not None else InMemoryStore(),
-                              saved)
-        losses = schedule(model, microbatches, checkpoint_interval=args.snake_checkpoint_interval,
-                          forward_only=forward_only, store=store, units=units)
+    def __init__(self, args, tensor_store, device, weights, units):
+        self.args, self.tensor_store, self.device = args, tensor_store, device
+        self.weights, self.units = weights, units
+        self.group_size = 1 if args.snake_schedule == "horizontal" else args.snake_group_size
+        self.planner = None
+        if args.snake_activation_tier == "auto":
+            self.planner = activation_planner(args, tensor_store, device, weights)
+        self.saved = None
+        if args.snake_activation_offload:  # inside each unit's recompute
+            self.saved = SavedTensorOffloader(
+                tensor_store, "host" if args.snake_activation_tier == "host" else "nvme",
+                min_bytes=args.snake_activation_offload_min_bytes)
+        self.activation_peak: dict = {}
+
+    def _checkpoint_store(self, num_microbatches: int, forward_only: bool):
+        args = self.args
+        if self.planner is not None:
+            return self.planner.step_store(num_microbatches, forward_only=forward_only)
+        if args.snake_activation_tier != "device":
+            return OffloadedUnitInputs(self.tensor_store, args.snake_activation_tier,
+                                       num_microbatches, self.device,
+                                       keep_for_next_unit=forward_window(args))
+        return InMemoryStore()
+
+    def __call__(self, *, model, num_microbatches: int, forward_only: bool = False,
+                 **megatron_kwargs):
+        checkpoints = self._checkpoint_store(num_microbatches, forward_only)
+        if self.saved is not None:
+            chunk = model[0] if isinstance(model, (list, tuple)) else model
+            self.saved.add_parameters(chunk.parameters())  # never offload weights
+            self.saved.reset_peak()
+        store = CombinedStore(checkpoints, self.weights if self.weights is not None
+                              else InMemoryStore(), self.saved)
+        reports = snake_forward_backward(
+            model=model, num_microbatches=num_microbatches, forward_only=forward_only,
+            **megatron_kwargs, group_size=self.group_size,
+            checkpoint_interval=self.args.snake_checkpoint_interval, store=store,
+            units=self.units, finalize_grads=self.weights is None)
         peaks = {}
         if not forward_only:
             if isinstance(checkpoints, OffloadedUnitInputs):
                 peaks["unit inputs"] = dict(checkpoints.peak)
-            if saved is not None:
-                peaks["saved tensors"] = dict(saved.peak)
-        if planner is not None and not forward_only:
-            planner.after_step(checkpoints)
+            if self.saved is not None:
+                peaks["saved tensors"] = dict(self.saved.peak)
+        if self.planner is not None and not forward_only:
+            self.planner.after_step(checkpoints)
         elif isinstance(checkpoints, OffloadedUnitInputs):
             checkpoints.finish_step()
-        return StepResult(losses, peaks)
-
-    return snake_step
+        self.activation_peak = peaks
+        return reports

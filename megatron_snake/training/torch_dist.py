@@ -49,6 +49,9 @@ from megatron_snake.training.checkpointing import CheckpointCorruptError, Unsafe
 CHECKPOINT_VERSION = 3.0
 LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size")   # may differ on load
 RNG_KEY = "snake_rng_state"
+MEGATRON_LM_RNG_KEY = "rng_state"   # Megatron-LM's (numpy objects inside: never read here)
+# How the optimizer's keys were made (Megatron-LM writes it; its load reads it back)
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 CONFIG_FILE = "metadata.json"     # Megatron writes it last; its presence marks the format
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(CheckpointingConfig)}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
@@ -68,12 +71,16 @@ def _rng_object(state) -> ShardedObject:
 
 
 def _flags(args, consumed_samples: int) -> argparse.Namespace:
-    """The flags as Megatron-LM keeps them in common.pt: plain values only."""
+    """The flags as Megatron-LM keeps them in common.pt: plain values only (Megatron-LM's
+    own flags keep their consumed-sample counts there too)."""
+    # exact types: a subclass (Megatron-LM's exit_signal is an IntEnum) pickles as a
+    # reference to its class, which the safe loader refuses
     plain = {k: v for k, v in vars(args).items()
-             if isinstance(v, _PLAIN) or (isinstance(v, (list, tuple)) and
-                                          all(isinstance(x, _PLAIN) for x in v))}
-    return argparse.Namespace(**plain, consumed_train_samples=consumed_samples,
-                              consumed_valid_samples=0)
+             if type(v) in _PLAIN or (type(v) in (list, tuple) and
+                                      all(type(x) in _PLAIN for x in v))}
+    plain.update(consumed_train_samples=consumed_samples,
+                 consumed_valid_samples=getattr(args, "consumed_valid_samples", 0))
+    return argparse.Namespace(**plain)
 
 
 def _sharded_state(model, optimizer, *, with_optimizer: bool, loading: bool = False) -> dict:
@@ -85,15 +92,23 @@ def _sharded_state(model, optimizer, *, with_optimizer: bool, loading: bool = Fa
     return state
 
 
-def save(root: str, *, iteration: int, consumed_samples: int, run) -> str:
+def save(root: str, *, iteration: int, consumed_samples: int, run, flops_so_far: float = 0,
+         megatron_lm_rng=None) -> str:
     """Write ``iter_<iteration>`` under ``root`` in Megatron's format (collective); returns
-    its path. An offloaded run writes one layout at a time (``torch_dist_offloaded``)."""
+    its path. An offloaded run writes one layout at a time (``torch_dist_offloaded``).
+    ``megatron_lm_rng``: Megatron-LM's own ``rng_state`` object, written beside this
+    project's so that Megatron-LM loads the checkpoint with its RNG (the plug-in)."""
     args = run.args
     tmp = ckpt.begin_iteration_dir(root, iteration)
-    extra = {} if args.no_save_rng else {RNG_KEY: _rng_object([ckpt.rng_state()])}
+    extra = {}
+    if not args.no_save_rng:
+        extra[RNG_KEY] = _rng_object([ckpt.rng_state()])
+        if megatron_lm_rng is not None:
+            extra[MEGATRON_LM_RNG_KEY] = megatron_lm_rng
     common = dict(args=_flags(args, consumed_samples), checkpoint_version=CHECKPOINT_VERSION,
                   iteration=iteration, opt_param_scheduler=run.scheduler.state_dict(),
-                  num_floating_point_operations_so_far=0)
+                  num_floating_point_operations_so_far=flops_so_far,
+                  content_metadata=CONTENT_METADATA)
     with ckpt._failed_save(root, tmp, cleanup=tmp if dist.get_rank() == 0 else None), \
             _first_cause():   # a full disk is reported as itself, not as DCP's wrapper
         if run.offloaded:
@@ -119,10 +134,11 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     expected = _iteration_named(iter_dir)
     config = _read_config(iter_dir)
     if config.get("sharded_backend") != "torch_dist":
-        raise ValueError(f"--load {root}: {iter_dir} is a {config.get('sharded_backend')!r} "
-                         "checkpoint; this run reads torch_dist and its own torch format")
+        raise ckpt.CheckpointMismatchError(
+            f"--load {root}: {iter_dir} is a {config.get('sharded_backend')!r} checkpoint; "
+            "this run reads torch_dist and its own torch format")
     # both pickles checked here, before any collective: a refusal names the file
-    read_metadata(os.path.join(iter_dir, ".metadata"))
+    metadata = read_metadata(os.path.join(iter_dir, ".metadata"))
     common = SafeCommonLoadStrategy().load_common(iter_dir)
     # a directory copied or linked from another run holds another iteration
     ckpt.check_saved_iteration(root, iter_dir, expected=expected, saved=common.get("iteration"))
@@ -133,16 +149,23 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     ckpt.refuse_other_settings(root, vars(saved_args), args,
                                keys=[k for k in ckpt.MUST_MATCH if k not in LAYOUT])
     if takes_optimizer and getattr(saved_args, "no_save_optim", False):
-        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-optim and "
-                         "holds no optimizer state; pass --no-load-optim (or --finetune)")
+        raise ckpt.CheckpointMismatchError(
+            f"--load {root}: the checkpoint was saved with --no-save-optim and holds no "
+            "optimizer state; pass --no-load-optim (or --finetune)")
     if takes_rng and getattr(saved_args, "no_save_rng", False):
-        raise ValueError(f"--load {root}: the checkpoint was saved with --no-save-rng; pass "
-                         "--no-load-rng")
+        raise ckpt.CheckpointMismatchError(f"--load {root}: the checkpoint was saved with "
+                                           "--no-save-rng; pass --no-load-rng")
     notes = []
     same_layout = all(getattr(saved_args, k, None) == getattr(args, k) for k in LAYOUT)
     if takes_rng and not same_layout:
         takes_rng = False   # another layout's ranks have other RNG streams
         notes.append("RNG state not loaded: saved with another tensor / pipeline layout")
+    saved_keys = {key.split("/")[0] for key in metadata.state_dict_metadata}
+    if takes_rng and RNG_KEY not in saved_keys and MEGATRON_LM_RNG_KEY in saved_keys:
+        takes_rng = False   # a plain Megatron-LM run's: numpy objects, which are not read
+        notes.append("RNG state not loaded: the checkpoint holds only Megatron-LM's own "
+                     "(numpy objects, which megatron_snake does not unpickle); the run "
+                     "continues with its own RNG (--no-load-rng says so explicitly)")
     extra = {RNG_KEY: _rng_object(None)} if takes_rng else {}
     strategies = dict(sharded_strategy=SafeTorchDistLoadStrategy(),
                       common_strategy=SafeCommonLoadStrategy())
@@ -162,6 +185,8 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
         ckpt.set_rng_state(loaded[RNG_KEY][0])
     return {"iteration": common["iteration"],
             "consumed_samples": int(saved_args.consumed_train_samples),
+            "consumed_valid_samples": int(getattr(saved_args, "consumed_valid_samples", 0)),
+            "flops_so_far": common.get("num_floating_point_operations_so_far", 0),
             "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
 
 
@@ -198,8 +223,9 @@ def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra:
     result = unwrap_model(run.model).load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
-        raise ValueError(f"--load {root}: the checkpoint's model does not match this run's "
-                         f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+        raise ckpt.CheckpointMismatchError(
+            f"--load {root}: the checkpoint's model does not match this run's (missing "
+            f"{missing[:5]}, unexpected {result.unexpected_keys[:5]})")
     if takes_optimizer:
         run.optimizer.load_state_dict(loaded["optimizer"])
     else:
@@ -244,11 +270,13 @@ def _refusals(root: str, iter_dir: str):
             # some of Megatron's and torch's checks raise without a message
             why = " ".join(str(cause).split())[:300] or \
                 "raised without a message while Megatron's loader read it"
-            raise ValueError(f"--load {root}: {iter_dir} does not fit this run: "
-                             f"{type(cause).__name__}: {why}") from cause
+            raise ckpt.CheckpointMismatchError(
+                f"--load {root}: {iter_dir} does not fit this run: "
+                f"{type(cause).__name__}: {why}") from cause
         # Megatron's message: "<key> from model not in state dict: <every key saved>"
         key = str(missing).strip("'\"").split(" from model not in state dict")[0]
         advice = ("pass --no-load-optim (it was saved without, or by another optimizer)"
                   if key.startswith("optimizer.") else "pass --no-load-rng"
                   if key.startswith(RNG_KEY) else "is it a checkpoint of this model?")
-        raise ValueError(f"--load {root}: {iter_dir} lacks {key}: {advice}") from None
+        raise ckpt.CheckpointMismatchError(
+            f"--load {root}: {iter_dir} lacks {key}: {advice}") from None

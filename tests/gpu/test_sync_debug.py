@@ -175,7 +175,7 @@ def _steady_step(offload_dir, precision: str) -> tuple[SyncRecorder, float, int]
         mbs = batches[-1]
         with record_syncs() as recorder:
             step = run.step(mbs)
-            lm_loss = loop._lm_loss(step.result.losses, mbs)
+            lm_loss = loop._lm_loss(step.reports, DEVICE)
             run.tensor_store.synchronize()   # the step's store work, on the store's threads
         update_successful, grad_norm = step.update_successful, step.grad_norm
     assert update_successful and grad_norm is not None and grad_norm > 0
