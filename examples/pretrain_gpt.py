@@ -17,15 +17,22 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
+from megatron_snake.errors import UserError, debugging, report  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.distributed import shutdown  # noqa: E402
 from megatron_snake.training.loop import pretrain  # noqa: E402
 
 
 def main(argv=None) -> int:
+    """Exit status 0; 2 for a flag refused (argparse's usage error); 1 for a run refused
+    because of its input, printed as one line (SNAKE_DEBUG=1: with its traceback)."""
     args = parse_args(argv)
     try:
         pretrain(args)
+    except UserError as exc:
+        if debugging():
+            raise
+        return report(exc, prog="pretrain_gpt.py")
     finally:
         shutdown()
     return 0

@@ -111,18 +111,23 @@ def _wait_all(procs, timeout):
 
 
 def test_unwritable_rank_directory_fails_every_rank_at_start(tmp_path):
-    """Rank 1's directory is missing: both ranks stop before the first step, and the
-    message names rank 1 and the path."""
+    """Rank 1's directory is missing: both ranks stop before the first step with exit
+    status 1; rank 0 prints the one line naming rank 1 and the path, rank 1 (whose refusal
+    is the same) prints nothing more, and neither prints a traceback."""
     (tmp_path / "0").mkdir()
     port = free_port()
     extra = ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--snake-offload",
              "--snake-offload-dir", str(tmp_path / "{rank}")]
     procs = [_launch(r, 2, port, extra, tmp_path) for r in range(2)]
-    assert _wait_all(procs, 240) != [0, 0]
-    for rank in range(2):
-        out = (tmp_path / f"rank{rank}.log").read_text()
-        assert "--snake-offload-dir check failed on 1 of 2 ranks" in out, out[-3000:]
-        assert "rank 1:" in out and str(tmp_path / "1") in out, out[-3000:]
+    assert _wait_all(procs, 240) == [1, 1]
+    logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)]
+    refusal = [line for line in logs[0].splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(refusal) == 1, logs[0][-3000:]
+    assert "--snake-offload-dir check failed on 1 of 2 ranks" in refusal[0]
+    assert "rank 1:" in refusal[0] and str(tmp_path / "1") in refusal[0], refusal
+    assert "error:" not in logs[1], logs[1][-3000:]
+    for out in logs:
+        assert "Traceback" not in out, out[-3000:]
         assert not re.search(r"iteration\s+\d+/", out), "no step may run"
 
 

@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_snake.compat import megatron_on_cpu
+from megatron_snake.errors import UserError
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -127,9 +128,18 @@ def raise_unless_all_ranks_ok(error: BaseException | None, what: str) -> None:
             raise error
         return
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
-    if failed:
-        lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failed)
-        raise RuntimeError(f"{what} failed on {len(failed)} of {len(reports)} ranks:\n{lines}") \
-            from error
+    mine = None if error is None else (isinstance(error, UserError),
+                                       f"{type(error).__name__}: {error}")
+    dist.all_gather_object(reports, mine)
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    listed = "; ".join(f"rank {rank}: {msg}" for rank, (_, msg) in failed)
+    message = f"{what} failed on {len(failed)} of {len(reports)} ranks: {listed}"
+    if all(user for _, (user, _) in failed):   # the users' input, on every rank that failed
+        raise RanksRefusedError(message) from error
+    raise RuntimeError(message) from error
+
+
+class RanksRefusedError(UserError, RuntimeError):
+    """A start-up check refused the input of one or more ranks (each named)."""
