@@ -1,0 +1,107 @@
+"""``python -m megatron_snake.megatron_lm SCRIPT.py [ARGS...]``: run a Megatron-LM entry
+script (``pretrain_gpt.py``) as ``__main__`` with the plug-in installed.
+
+In order: ``sys.argv`` becomes ``[SCRIPT, *ARGS]``; ``sys.path`` is arranged so that the
+*installed* megatron-core is imported while ``megatron.training`` and the script's own
+modules (``gpt_builders``, ``model_provider``) come from the script's checkout
+(``runner_sys_path``); ``megatron_snake.megatron_lm.install()``; then the script runs. A
+refusal (``megatron_snake.errors.UserError``) is one line on one rank, with its exit status
+(2 for a wrong command line); ``SNAKE_DEBUG=1`` keeps the traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import sys
+
+from megatron_snake import errors
+
+PROG = "megatron_snake.megatron_lm"
+USAGE = f"usage: python -m {PROG} SCRIPT.py [SCRIPT ARGS...] (SCRIPT: e.g. Megatron-LM's pretrain_gpt.py)"
+
+
+class UsageError(errors.UserError):
+    exit_status = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    try:
+        script, script_args = _script(argv)
+        script_dir = os.path.dirname(script)
+        sys.path[:] = runner_sys_path(sys.path, script_dir, os.getcwd())
+        _check_training_package(script_dir)
+        sys.argv = [script, *script_args]  # before install(): hooks may read the flags
+        from megatron_snake.megatron_lm import install
+
+        install()
+        runpy.run_path(script, run_name="__main__")
+    except errors.UserError as exc:
+        if errors.debugging():
+            raise
+        return errors.report(exc, prog=PROG)
+    return 0
+
+
+def _script(argv: list[str]) -> tuple[str, list[str]]:
+    if not argv:
+        raise UsageError(f"no SCRIPT given; {USAGE}")
+    script = os.path.abspath(argv[0])
+    if not script.endswith(".py"):
+        raise UsageError(f"SCRIPT must be a Python file (.py), got {argv[0]!r}; {USAGE}")
+    if not os.path.isfile(script):
+        raise UsageError(f"SCRIPT {argv[0]!r} does not exist; {USAGE}")
+    return script, argv[1:]
+
+
+def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:
+    """``sys.path`` for running a script of the checkout ``script_dir``.
+
+    ``python pretrain_gpt.py`` would put the checkout first, and the checkout's
+    ``megatron/core`` (no built dataset helpers; make needs pybind11) would shadow the
+    installed megatron-core: ``megatron/`` is a namespace package in both places and each
+    subpackage comes from the first directory that has it. So Megatron-LM checkouts go to
+    the END, the script's own last and once (``megatron.training``, ``megatron.legacy``,
+    ``gpt_builders`` and ``model_provider`` exist only there). ``-m`` puts the current
+    directory first: it is dropped when it is a checkout (launching from inside the
+    checkout is the usual way). Other entries keep their order."""
+    def same(entry: str, directory: str) -> bool:
+        return os.path.realpath(entry or cwd) == os.path.realpath(directory)
+
+    rest = list(path)
+    if rest and same(rest[0], cwd) and _is_checkout(cwd):
+        rest = rest[1:]
+    rest = [entry for entry in rest if not same(entry, script_dir)]
+    checkouts = [entry for entry in rest if _is_checkout(entry or cwd)]
+    return [entry for entry in rest if entry not in checkouts] + checkouts + [script_dir]
+
+
+def _is_checkout(directory: str) -> bool:
+    """A Megatron-LM checkout (site-packages has megatron/core but no megatron/training)."""
+    return all(os.path.isdir(os.path.join(directory, "megatron", sub)) for sub in ("core", "training"))
+
+
+def _check_training_package(script_dir: str) -> None:
+    """The script's checkout must be the one ``megatron.training`` comes from (another
+    checkout earlier on PYTHONPATH would win over the appended one)."""
+    if not os.path.isdir(os.path.join(script_dir, "megatron", "training")):
+        return  # a script of one's own: megatron.training comes from wherever it is found
+    try:
+        spec = importlib.util.find_spec("megatron.training")
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None else None
+    ours = os.path.join(script_dir, "megatron", "training", "__init__.py")
+    if origin and os.path.realpath(origin) != os.path.realpath(ours):
+        raise errors.UserError(
+            f"megatron.training would be imported from {os.path.dirname(origin)}, not from the "
+            f"checkout of the script ({script_dir}): remove the other checkout from PYTHONPATH")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
