@@ -18,7 +18,6 @@ import copy
 import hashlib
 import logging
 import os
-import signal
 import struct
 import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -27,7 +26,7 @@ import numpy
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_snake.errors import UserError
+from megatron_snake.errors import FlagError, UserError
 from megatron_snake.storage.safe_files import private_dir
 
 GPT_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -386,8 +385,8 @@ def build_gpt_datasets(
         blend = blend_per_split = None
         if any(p is not None for p in per_split):
             if data_path:
-                raise ValueError("--data-path and --train-data-path/--valid-data-path/"
-                                 "--test-data-path are mutually exclusive; give one of them")
+                raise FlagError("--data-path and --train-data-path/--valid-data-path/"
+                                "--test-data-path are mutually exclusive; give one of them")
             blend_per_split = [None if p is None else parse_data_path(p, flag)
                                for p, flag in zip(per_split, PER_SPLIT_FLAGS)]
             for b, flag, n in zip(blend_per_split, PER_SPLIT_FLAGS, num_samples):
@@ -399,7 +398,7 @@ def build_gpt_datasets(
             prefixes = [p for b in blend_per_split if b is not None for p in b[0]]
         else:
             if not data_path:
-                raise ValueError("--data-path is required unless --mock-data is set")
+                raise FlagError("--data-path is required unless --mock-data is set")
             prefixes, weights = parse_data_path(data_path)
             _check_splits_nonempty(prefixes, split, mmap_bin_files)
             blend = (prefixes, weights)
@@ -497,7 +496,7 @@ def micro_batches(
     if consumed_samples < 0:
         raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
     if num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+        raise FlagError(f"--num-workers must be >= 0, got {num_workers}")
     return _micro_batch_generator(dataset, micro_batch_size, data_parallel_rank,
                                   data_parallel_size, consumed_samples, num_workers)
 
@@ -511,12 +510,14 @@ def _windows(total, mbs, dp_rank, dp_size, consumed):
         consumed += window
 
 
-def _leave_sigterm_to_the_rank(_worker_id: int) -> None:
-    """A DataLoader worker ignores SIGTERM. torchrun and Slurm signal a rank's whole
-    process group; a worker killed by it would end the rank with "DataLoader worker is
-    killed by signal" before --exit-signal-handler could finish the iteration and save.
-    The rank stops its workers itself when it exits."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _leave_signals_to_the_rank(_worker_id: int) -> None:
+    """A DataLoader worker leaves the rank's process group. torchrun and Slurm signal a
+    rank's whole process group; a worker killed by that SIGTERM would end the rank with
+    "DataLoader worker is killed by signal" before --exit-signal-handler could finish the
+    iteration and save. The rank still stops its workers itself (and a worker whose rank
+    is gone exits on its own), so none outlives it. (Ignoring SIGTERM instead would also
+    ignore the rank's own ``terminate()`` at exit and hang it.)"""
+    os.setpgid(0, 0)
 
 
 def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers):
@@ -528,7 +529,7 @@ def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers
         # seeding the workers must not draw from the global RNG dropout uses.
         batches = iter(DataLoader(
             dataset, batch_sampler=indices, collate_fn=collate, num_workers=num_workers,
-            generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_rank))
+            generator=torch.Generator(), worker_init_fn=_leave_signals_to_the_rank))
     else:
         batches = (collate([dataset[i] for i in idx]) for idx in indices)
     for batch in batches:
