@@ -27,6 +27,11 @@ class UserError(Exception):
     exit_status = 1
 
 
+class FlagError(UserError, ValueError):
+    """A flag's value that a component refuses (the message starts with the flag); the
+    command line turns it into a usage error, a run refuses with it."""
+
+
 def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 

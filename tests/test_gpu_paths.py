@@ -118,7 +118,7 @@ def test_first_log_interval_starts_at_the_first_step(capsys):
     line = capsys.readouterr().out
     per_iter_ms = float(line.split("elapsed time per iteration (ms):")[1].split("|")[0])
     assert per_iter_ms < 400, line
-    assert "peak RSS (interval)" in line or "peak RSS (cumulative)" in line
+    assert "| snake: peak RSS " in line, line
 
 
 def test_deterministic_mode_sets_the_cublas_workspace(megatron_world, monkeypatch):

@@ -2,9 +2,11 @@
 later change cannot quietly reintroduce a cycle or an upward import.
 
 Bottom to top (docs/design.md draws it): storage, compat and the planner (import nothing of
-ours but the timeline; the planner not even torch), placement, models, schedule, optim, offload, training. A package may import
-only packages of lower layers; the module graph has no cycle. ``megatron_snake.timeline``,
-which every layer records into, and ``megatron_snake.emulated_device``, whose clock the
+ours but the timeline and the errors; the planner not even torch), placement, models,
+schedule, optim, offload, training, and the Megatron-LM plug-in (megatron_lm). A package may
+import only packages of lower layers; the module graph has no cycle.
+``megatron_snake.timeline``, which every layer records into, ``megatron_snake.errors``,
+whose UserError every layer raises, and ``megatron_snake.emulated_device``, whose clock the
 store follows under tools/bench_overlap.py, import nothing of ours.
 """
 
@@ -17,7 +19,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_snake"
 LAYERS = [{"storage", "compat", "planner"}, {"placement"}, {"models"}, {"schedule"}, {"optim"},
-          {"offload"}, {"training"}]
+          {"offload"}, {"training"}, {"megatron_lm"}]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 NATIVE = {"megatron_snake._snake_aio": "storage"}  # the C engine, bound by storage/engine.py
 
@@ -90,7 +92,7 @@ def test_the_module_graph_has_no_cycle():
             visit(module, [module])
 
 
-@pytest.mark.parametrize("module", ["timeline.py", "emulated_device.py"])
+@pytest.mark.parametrize("module", ["timeline.py", "emulated_device.py", "errors.py"])
 def test_the_modules_every_layer_uses_import_nothing_of_ours(module):
     assert _imports(PACKAGE / module) == set(), \
         f"every layer may use megatron_snake/{module}: it must import none of them"

@@ -309,18 +309,20 @@ def test_fp16_resume_restores_the_loss_scale(megatron_world, tmp_path):
 
 def test_activation_offload_inside_the_vertical_recompute(megatron_world, tmp_path, capfd):
     """--snake-offload --snake-activation-offload: the tensors autograd saves while a unit
-    is recomputed go to NVMe too; dropout on, every loss bit-identical. The log line shows
-    both activation peaks per tier and the prefetch wait apart from other I/O waits."""
+    is recomputed go to NVMe too; dropout on, every loss bit-identical. The log line with
+    --snake-log-details shows both activation peaks per tier and the prefetch wait apart from
+    other I/O waits."""
     flags = [*SMALL, "--train-iters", "3", "--deterministic-mode", "--hidden-size", "64",
              "--seq-length", "64", "--snake-offload", "--snake-offload-dir", str(tmp_path),
              "--snake-activation-tier", "nvme"]
     plain = pretrain(parse_args(flags))
     capfd.readouterr()
     offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",
-                                     "--snake-activation-offload-min-bytes", "4096"]))
+                                     "--snake-activation-offload-min-bytes", "4096",
+                                     "--snake-log-details"]))
     assert offloaded == plain
     line = [l for l in capfd.readouterr().out.splitlines() if "iteration        3/" in l][0]
-    for part in ("unit inputs peak (last step) nvme", "saved tensors peak (last step) gpu",
+    for part in ("unit inputs peak (last step) nvme", "saved tensors peak (last step) device",
                  "prefetch wait (interval)",
                  "other io wait"):
         assert part in line, line

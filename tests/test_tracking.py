@@ -75,7 +75,7 @@ def test_profile_writes_a_trace_of_the_asked_iterations(megatron_world, tmp_path
 def test_log_lines_are_per_interval_and_add_up_to_the_run_total(megatron_world, tmp_path,
                                                                 capsys):
     pretrain(parse_args([*SMALL, "--snake-offload", "--train-iters", "6", "--snake-param-tier",
-                         "nvme", "--snake-activation-tier", "host"]))
+                         "nvme", "--snake-activation-tier", "host", "--snake-log-details"]))
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "| lm loss:" in line]
     assert len(lines) == 3

@@ -51,7 +51,7 @@ def install() -> None:
         if not torch.cuda.is_available():
             _apply_cpu_patches()
         _skip_dataset_helpers_make()
-        from megatron_snake.megatron_lm import hooks
+        import megatron_snake.megatron_lm.hooks as hooks
 
         hooks.install()
         _installed = True

@@ -17,7 +17,7 @@ refused, never trained over.
 
 from __future__ import annotations
 
-from megatron_snake.megatron_lm import run as plugin_run
+import megatron_snake.megatron_lm.run as plugin_run
 from megatron_snake.training import torch_dist
 from megatron_snake.training.restore import check_checkpoints, restore
 
@@ -25,17 +25,18 @@ from megatron_snake.training.restore import check_checkpoints, restore
 def load(run, *, update_num_microbatches, log) -> None:
     """Megatron-LM's ``load_checkpoint`` for the offloaded ``run``: ``args.iteration``,
     ``args.num_floating_point_operations_so_far`` and the consumed-sample counts as
-    Megatron-LM's load leaves them (0 without a checkpoint)."""
+    Megatron-LM's load leaves them (0 without a checkpoint; a fine-tuning start is at
+    iteration 0 with the sample counts untouched, but the checkpoint's FLOPs so far)."""
     args = run.args
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     source, finetune = check_checkpoints(args, log)
     if source is None:
         return
     restored = restore(run, source, finetune=finetune, log=log)
+    args.num_floating_point_operations_so_far = restored.flops_so_far
     if finetune:
         return
     args.iteration = restored.iteration
-    args.num_floating_point_operations_so_far = restored.flops_so_far
     args.consumed_train_samples = restored.consumed_samples
     args.consumed_valid_samples = restored.consumed_valid_samples
     update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)

@@ -92,6 +92,10 @@ REFUSED = (
             "the offloaded AdamW keeps fp32 master weights and moments; drop the flag"),
     Refused("--decoupled-lr", lambda a: _get(a, "decoupled_lr") is not None,
             "the offloaded AdamW has one learning rate for every parameter"),
+    Refused("--calculate-per-token-loss", _on("calculate_per_token_loss"), "the offloaded "
+            "AdamW does not divide the gradients by the step's token count (Megatron's "
+            "finalize_model_grads does, which the store's gradients bypass): the gradients "
+            "and the clipping would be off by that count; drop the flag"),
     Refused("--rampup-batch-size", _on("rampup_batch_size"), "the snake plans its groups "
             "for a fixed number of micro-batches per step; use a fixed --global-batch-size"),
     Refused("--train-samples", lambda a: _get(a, "train_samples") is not None,
@@ -154,6 +158,12 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
         if getattr(args, rule.attr):
             setattr(args, rule.attr, False)
             notes.append(f"> {rule.flag} with --snake-offload: {rule.note}")
+    if args.fp16 and not _get(args, "accumulate_allreduce_grads_in_fp32", True):
+        args.accumulate_allreduce_grads_in_fp32 = True   # what the store's gradients do
+        notes.append("> --fp16 with --snake-offload: gradients are accumulated and reduced in "
+                     "fp32, as with --accumulate-allreduce-grads-in-fp32 (not in fp16 "
+                     "buffers), so the loss scale may overflow, and iterations be skipped, "
+                     "later than in a plain run")
     if args.transformer_impl == "transformer_engine":
         import torch
 
@@ -172,3 +182,8 @@ def _derive(args: argparse.Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     args.num_microbatches = args.global_batch_size // per_step   # Megatron-LM checked it
     args.disable_bias_linear = not args.add_bias_linear
+    if not args.group_query_attention:
+        # Megatron-LM's --num-query-groups defaults to 1 and counts only with
+        # --group-query-attention (the model then has one key/value group per head, and
+        # Megatron-LM's own FLOPs count sets it so); the pre-flight and the planner read it.
+        args.num_query_groups = args.num_attention_heads

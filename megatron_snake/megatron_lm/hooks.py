@@ -44,7 +44,10 @@ def install() -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
-    from megatron_snake.megatron_lm import checkpoints, flags, log, run
+    import megatron_snake.megatron_lm.checkpoints as checkpoints
+    import megatron_snake.megatron_lm.flags as flags
+    import megatron_snake.megatron_lm.log as log
+    import megatron_snake.megatron_lm.run as run
 
     parse_args, validate_args = initialize.parse_args, initialize.validate_args
 

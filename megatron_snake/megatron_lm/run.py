@@ -52,9 +52,10 @@ def setup(args, model_provider_func, model_type, *, make_scheduler: Callable,
                            "one process; the plug-in runs one model per process")
     device, vocab = compute_device(), args.padded_vocab_size
     rank = dist.get_rank()
-    if args.snake_hardware:   # --snake-auto's choice, or --snake-dry-run's prediction
-        auto_config.configure(args, vocab, log=log)
-    preflight.run(args, vocab, rank=rank, log=log)
+    with preflight.dry_run_verdict(args, log):
+        if args.snake_hardware:   # --snake-auto's choice, or --snake-dry-run's prediction
+            auto_config.configure(args, vocab, log=log)
+        preflight.run(args, vocab, rank=rank, log=log)
     if args.snake_dry_run:
         raise SystemExit(0)
     resources = contextlib.ExitStack()

@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_snake.errors import FlagError
+
 
 def unwrap_model(model):
     """Strip Megatron's DistributedDataParallel / Float16Module wrappers."""
@@ -39,8 +41,8 @@ def check_checkpoint_interval(checkpoint_interval) -> None:
     """``--snake-checkpoint-interval``: layers per unit, an integer >= 1 (the flag check
     and ``GPTUnits`` both call this)."""
     if not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
-        raise ValueError("--snake-checkpoint-interval must be an integer >= 1 (layers per "
-                         f"unit), got {checkpoint_interval!r}")
+        raise FlagError("--snake-checkpoint-interval must be an integer >= 1 (layers per "
+                        f"unit), got {checkpoint_interval!r}")
 
 
 class GPTUnits:

@@ -11,8 +11,9 @@ the drive only after: the drive also carries the weights and the optimizer state
 plan does not see. The device budget is ``--snake-gpu-memory-limit`` less the largest unit's
 working set; without the flag, what the profiled steps left of a GPU's memory, and on the
 CPU (whose "device" memory is the host's, outside the pool's limit) no more than a plan can
-manage with. The plan is printed and written as JSON; it is made again when the
-checkpoints' shapes or the number of micro-batches change.
+manage with. The plan is summed up in one line and written as JSON (``--snake-plan-json``,
+or beside ``--snake-offload-dir``); it is made again when the checkpoints' shapes or the
+number of micro-batches change.
 """
 
 from __future__ import annotations
@@ -189,14 +190,35 @@ class ActivationPlanner:
         pool.reserved += on_host - self._reserved
         self._reserved = on_host
         self.plans_made += 1
-        self.log(f"> activation plan after {self._profiled} profiled iterations:\n"
-                 f"{self.plan.summary()}")
         if self.plan_path:
             # a new 0600 file renamed into place: a link at plan_path is replaced, never
             # written through
             write_file_atomically(self.plan_path, self.plan.to_json().encode(),
                                   what="activation plan (--snake-plan-json)")
-            self.log(f"> activation plan written to {self.plan_path}")
+        self.log(plan_summary_line(self.plan, self._profiled, self.plan_path))
+
+
+# the plan's tiers as a run names them: its "gpu" is the compute device, whichever it is
+_TIER_WORDS = (("gpu", "device"), ("host", "host"), ("nvme", "nvme"))
+
+
+def plan_summary_line(plan, profiled: int, path: str | None) -> str:
+    """The plan in one line: how many unit inputs go to each tier, the host tier's peak
+    against the plan's host budget, the predicted stall, and where its JSON (every
+    placement) went."""
+    counts = {tier: 0 for tier, _ in _TIER_WORDS}
+    total = 0
+    for placement in plan.placements.values():
+        counts[placement.tier] = counts.get(placement.tier, 0) + 1
+        total += placement.nbytes
+    where = f"every placement in {path}" if path else \
+        "--snake-plan-json FILE writes every placement"
+    return (f"> activation plan after {profiled} profiled iterations: "
+            f"{len(plan.placements)} unit inputs ({total / 2**20:.1f} MiB): "
+            + ", ".join(f"{word} {counts[tier]}" for tier, word in _TIER_WORDS)
+            + f"; host peak {plan.peak_bytes.get('host', 0) / 2**20:.1f} MiB of "
+            f"{plan.host_budget_bytes / 2**20:.1f} MiB; predicted stall {plan.stall_s:.3f} s; "
+            f"{where}")
 
 
 def _device_budget(device) -> int:

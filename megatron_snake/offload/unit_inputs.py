@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_snake.errors import FlagError
 from megatron_snake.schedule.order import snake_order
 from megatron_snake.schedule.unit_store import UnitStore
 
@@ -30,8 +31,8 @@ class OffloadedUnitInputs(UnitStore):
     def __init__(self, store, tier, num_microbatches: int, device: torch.device,
                  lookahead: int = 2, keep_for_next_unit: int = 0):
         if isinstance(tier, str) and tier not in ("host", "nvme"):
-            raise ValueError(f"--snake-activation-tier: {tier!r} is not an offload tier "
-                             "(host or nvme)")
+            raise FlagError(f"--snake-activation-tier: {tier!r} is not an offload tier "
+                            "(host or nvme)")
         self.tier_of = tier if callable(tier) else (lambda key: tier)
         self.store, self.device = store, device
         self.num_microbatches, self.lookahead = num_microbatches, lookahead

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from megatron_snake.errors import FlagError
+
 STATES = ("master", "exp_avg", "exp_avg_sq")   # fp32 master weights and both moments
 
 
@@ -24,8 +26,8 @@ def check_clip_grad(clip_grad: float) -> None:
     convention). A negative bound would flip every update's sign; an infinite one clips
     nothing while the update still waits for the global norm."""
     if not (math.isfinite(clip_grad) and clip_grad >= 0.0):
-        raise ValueError(f"--clip-grad must be >= 0 and finite (0 turns clipping off), got "
-                         f"{clip_grad}")
+        raise FlagError(f"--clip-grad must be >= 0 and finite (0 turns clipping off), got "
+                        f"{clip_grad}")
 
 
 def clip_coefficient(clip_grad: float, total_norm: torch.Tensor) -> torch.Tensor:

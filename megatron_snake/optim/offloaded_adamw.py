@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_snake.errors import FlagError
 import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
@@ -70,7 +71,7 @@ def check_alpha(alpha: float) -> None:
     """``--snake-alpha``: the deferred (forward) part of each update, 0 to 0.5 of it (the
     flag check and ``OffloadedAdamW`` both call this)."""
     if not 0.0 <= alpha <= 0.5:
-        raise ValueError(f"--snake-alpha must be between 0 and 0.5, got {alpha}")
+        raise FlagError(f"--snake-alpha must be between 0 and 0.5, got {alpha}")
 
 
 @dataclass(frozen=True)

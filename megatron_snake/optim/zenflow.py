@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_snake.errors import FlagError
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel
@@ -71,18 +72,18 @@ class ZenFlowSettings:
 
     def __post_init__(self):
         if not 0.0 < self.topk_ratio <= 1.0:
-            raise ValueError(f"--snake-zenflow-topk-ratio must be in (0, 1], got "
-                             f"{self.topk_ratio}")
+            raise FlagError(f"--snake-zenflow-topk-ratio must be in (0, 1], got "
+                            f"{self.topk_ratio}")
         if self.update_interval < 1:
-            raise ValueError(f"--snake-zenflow-update-interval must be >= 1, got "
-                             f"{self.update_interval}")
+            raise FlagError(f"--snake-zenflow-update-interval must be >= 1, got "
+                            f"{self.update_interval}")
         if self.select_interval < self.update_interval:
-            raise ValueError(f"--snake-zenflow-select-interval ({self.select_interval}) must "
-                             f"be >= --snake-zenflow-update-interval ({self.update_interval}): "
-                             "columns are re-selected only between CPU updates")
+            raise FlagError(f"--snake-zenflow-select-interval ({self.select_interval}) must "
+                            f"be >= --snake-zenflow-update-interval ({self.update_interval}): "
+                            "columns are re-selected only between CPU updates")
         if self.full_warmup_steps < 0:
-            raise ValueError(f"--snake-zenflow-full-warmup-steps must be >= 0, got "
-                             f"{self.full_warmup_steps}")
+            raise FlagError(f"--snake-zenflow-full-warmup-steps must be >= 0, got "
+                            f"{self.full_warmup_steps}")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_snake.errors import UserError
 from megatron_snake.planner.hardware import Hardware
 from megatron_snake.planner.workload import Stage, Workload
 
@@ -30,7 +31,7 @@ OPTIMIZER_BYTES = 12   # fp32 master weight and two moments per parameter
 GRAD_BYTES = 4         # the fp32 gradient a parameter's update waits with
 
 
-class DoesNotFit(ValueError):
+class DoesNotFit(UserError, ValueError):
     """The workload needs more of a tier than the hardware has."""
 
 

@@ -32,6 +32,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.schedule.forward_step import ForwardStepError, capture_microbatches
 from megatron_snake.schedule.sweeps import backward_sweep, forward_sweep
@@ -43,9 +44,9 @@ def snake_groups(num_microbatches: int, group_size: int | None) -> list[list[int
     The one home of ``--snake-group-size``'s rule: the flag check calls this too."""
     size = num_microbatches if group_size is None else group_size
     if not isinstance(size, int) or size < 1 or num_microbatches % size:
-        raise ValueError(f"--snake-group-size {group_size} must divide the {num_microbatches} "
-                         "micro-batches per step (--global-batch-size / (--micro-batch-size x "
-                         "data-parallel size)); pick a divisor")
+        raise FlagError(f"--snake-group-size {group_size} must divide the {num_microbatches} "
+                        "micro-batches per step (--global-batch-size / (--micro-batch-size x "
+                        "data-parallel size)); pick a divisor")
     return [list(range(g, g + size)) for g in range(0, num_microbatches, size)]
 
 

@@ -22,7 +22,7 @@ import time
 
 from megatron_snake.storage.errors import CapacityError, OffloadDirError, UnsafePathError
 from megatron_snake.storage.safe_files import create_file, open_owned_file, private_dir
-from megatron_snake.storage import sizes
+import megatron_snake.storage.sizes as sizes
 from megatron_snake.storage.swap_file import read_file_header
 
 log = logging.getLogger("megatron_snake.storage")

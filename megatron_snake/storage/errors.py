@@ -12,11 +12,11 @@ class OffloadDirError(OffloadError, UserError):
     or its files could not be removed at the end (its permissions changed during the run)."""
 
 
-class CapacityError(OffloadError):
+class CapacityError(OffloadError, UserError):
     """The file system under --snake-offload-dir cannot hold what the run plans to put there."""
 
 
-class HostMemoryError(OffloadError):
+class HostMemoryError(OffloadError, UserError):
     """A request can never fit under --snake-host-memory-limit (waiting would not help)."""
 
 
@@ -46,6 +46,6 @@ class OffloadIOError(OffloadError, OSError):
         return self.args[1] if len(self.args) > 1 else self.args[0]
 
 
-class UnsafePathError(OffloadError, PermissionError):
+class UnsafePathError(OffloadError, PermissionError, UserError):
     """A path the run would create or reuse is a symbolic link, not the kind of entry
     expected, or owned by another user: the run refuses it rather than follow it."""

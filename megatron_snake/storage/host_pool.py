@@ -22,6 +22,23 @@ from megatron_snake.storage.sizes import size
 
 PAGE = 4096
 DEFAULT_BUFFER_BYTES = 8 << 20
+# --snake-host-memory-limit's default (``default_pool_bytes``): at most this much, and
+# room for this many buffers of drive staging besides the state's records: the store's
+# drive I/O runs on 4 read, 4 write and 2 read-ahead workers, each holding a staging
+# buffer per record segment in flight, so 16 let them all move with a few pipelining.
+DEFAULT_POOL_CAP_BYTES = 2 << 30
+STAGING_BUFFERS = 16
+
+
+def default_pool_bytes(state_buffers: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES, *,
+                       cap_bytes: int = DEFAULT_POOL_CAP_BYTES) -> int:
+    """``--snake-host-memory-limit``'s default, the one rule for it: room for
+    ``state_buffers`` (the host buffers the run's state may hold: its host tiers, and what
+    may spill to host memory; the caller counts them, ``preflight.host_pool_default``)
+    and ``STAGING_BUFFERS`` for the drive's I/O, at most ``cap_bytes``, in whole buffers
+    and never fewer than the 2 a pool needs (``check_host_memory_limit``)."""
+    cap = max(2, int(cap_bytes) // buffer_bytes)
+    return max(2, min(cap, int(state_buffers) + STAGING_BUFFERS)) * buffer_bytes
 
 
 def physical_memory_bytes() -> int:

@@ -773,8 +773,9 @@ def _read_checksum_file(root: str, path: str) -> dict:
             f"writes); restore it from a copy or load an earlier iteration "
             f"({describe_saved(root)})")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"--load {path}: format version {manifest.get('format_version')} is "
-                         f"not {FORMAT_VERSION}")
+        raise CheckpointMismatchError(
+            f"--load {path}: format version {manifest.get('format_version')} is not "
+            f"{FORMAT_VERSION}")
     return manifest
 
 

@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_snake.compat import megatron_on_cpu
-from megatron_snake.errors import UserError
+from megatron_snake.errors import FlagError, UserError
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -23,11 +23,11 @@ def resolve_device(name: str = "auto") -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but torch sees no GPU; use --device cpu")
+            raise FlagError("--device cuda was given but torch sees no GPU; use --device cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if name == "cpu":
         return torch.device("cpu")
-    raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    raise FlagError(f"--device must be auto, cpu or cuda, got {name!r}")
 
 
 def free_port() -> int:

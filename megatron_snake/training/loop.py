@@ -80,7 +80,8 @@ class Trainer:
         self.run, self.args, self.log = run, run.args, log
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.iteration, self.consumed = 0, 0
-        self.store_meter = offloaded_state.StoreMeter(run.tensor_store)
+        self.store_meter = offloaded_state.StoreMeter(
+            run.tensor_store, details=getattr(run.args, "snake_log_details", False))
         self.exit_conditions, self.profiler = exit_conditions, profiler
 
     def _batches(self, dataset, consumed: int):
@@ -165,10 +166,8 @@ class Trainer:
         train_iter = self._batches(self.train_ds, consumed=self.consumed)
         run.model.train()
         history = []
-        self.log.print(f"> log lines every {args.log_interval} iteration(s) (--log-interval): "
-                       "each figure covers the iterations since the previous line unless "
-                       "its label says (cumulative), (now) or (last step); learning rate and "
-                       "loss scale are the line's iteration's")
+        self.log.print(self.log.legend(
+            offloaded_state.StoreMeter.LEGEND if run.tensor_store is not None else ""))
         if self.profiler:
             self.profiler.check_start(self.iteration, self.log.print)
         self.log.start_interval()
@@ -271,12 +270,13 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
     log = TrainLog(args, vocab, device, rank=rank, trackers=trackers)
     for note in notes:
         log.print(note)
-    if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
-        auto_config.configure(args, vocab, log=log.print)
-    if args.snake_offload:  # the bytes each tier needs, refused before the model is built
-        preflight.run(args, vocab, rank=rank, log=log.print)
-        if args.snake_dry_run:
-            return []
+    with preflight.dry_run_verdict(args, log.print):
+        if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
+            auto_config.configure(args, vocab, log=log.print)
+        if args.snake_offload:  # the bytes each tier needs, refused before the model is built
+            preflight.run(args, vocab, rank=rank, log=log.print)
+    if args.snake_dry_run:
+        return []
     # the data files are checked before the offload directory and the model are made
     train_ds, valid_ds, _ = build_gpt_datasets(
         mock=args.mock_data, data_path=args.data_path, split=args.split,

@@ -14,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_snake.errors import FlagError
 from megatron_snake.training.extra_state import refuse_unsafe_extra_state
 
 
@@ -56,14 +57,14 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 def layer_spec(args: argparse.Namespace):
     if args.transformer_impl == "transformer_engine":
         if not torch.cuda.is_available():
-            raise ValueError("--transformer-impl transformer_engine needs a GPU; use local")
+            raise FlagError("--transformer-impl transformer_engine needs a GPU; use local")
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec)
             return get_gpt_layer_with_transformer_engine_spec()
         except ImportError as exc:
-            raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not "
-                             f"installed ({exc}); pip install megatron_snake[gpu] or use local") \
+            raise FlagError("--transformer-impl transformer_engine: Transformer Engine is not "
+                            f"installed ({exc}); pip install megatron_snake[gpu] or use local") \
                 from exc
     return get_gpt_layer_local_spec(normalization=args.normalization)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_heap import bound_host_heap, keep_heap_trimmed
@@ -26,6 +27,12 @@ from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed
+
+def tier_label(tier: str) -> str:
+    """A tier's name in what a run prints: the store's ``gpu`` tier is the compute device
+    (a CPU run's too), as ``--snake-activation-tier device`` names it."""
+    return "device" if tier == "gpu" else tier
+
 
 def checkpoint_bytes(args) -> int:
     """One unit input of one micro-batch: [s, b, h] in the parameters' dtype."""
@@ -84,20 +91,27 @@ def offload_dir_for_rank(template: str, rank: int) -> str:
         return template.format(node=distributed.node_index(), hostname=socket.gethostname(),
                                rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
-                         "fields are {node}, {hostname}, {rank} and {local_rank}") from None
+        raise FlagError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
+                        "fields are {node}, {hostname}, {rank} and {local_rank}") from None
 
 
 class StoreMeter:
-    """The store's traffic for the log: bytes read and written per tier (all state, then
-    unit checkpoints and saved tensors alone) and the time the training thread waited on
-    the store, per log interval; the run's totals at the end."""
+    """The store's traffic for the log, per log interval: by default a compact set (the
+    drive's read and write rates, the share of the time the training thread waited on the
+    store, the host pool's peak); with ``details`` (``--snake-log-details``) bytes read and
+    written per tier (all state, then unit checkpoints and saved tensors alone), the
+    activation peaks, and the prefetch and other waits apart. The run's totals at the
+    end."""
 
     TIERS = ("nvme", "host")
     KINDS = (("activations", "unit inputs"), ("saved_activations", "saved tensors"))
+    # what the compact fields mean, for the line that explains the log lines
+    LEGEND = ("drive r/w: MB/s read from and written to the offload drive; io wait: the "
+              "share of the time training waited on the store; pool peak: the most of the "
+              "host pool in use since the start, of its limit")
 
-    def __init__(self, store: TensorStore | None):
-        self.store = store
+    def __init__(self, store: TensorStore | None, details: bool = False):
+        self.store, self.details = store, details
         self.start_interval()
 
     def start_interval(self) -> None:
@@ -139,6 +153,21 @@ class StoreMeter:
         written = {t: now["written"][t] - before["written"][t] for t in self.TIERS}
         prefetch = now["prefetch_wait_s"] - before["prefetch_wait_s"]
         other = now["blocked_s"] - before["blocked_s"] - prefetch
+        pool = self.store.pool
+        pool_peak = pool.peak_in_use * pool.buffer_bytes
+        overlap = max(0.0, 1.0 - (prefetch + other) / elapsed) if elapsed > 0 else 1.0
+        scalars = {f"snake/{t}-{d}-bytes": v[t] for t in self.TIERS
+                   for d, v in (("read", read), ("write", written))}
+        scalars.update({"snake/prefetch-wait-seconds": prefetch,
+                        "snake/other-io-wait-seconds": other,
+                        "snake/io-overlap-fraction": overlap})
+        if not self.details:
+            per_s = max(elapsed, 1e-9) * 1e6
+            return " | ".join([
+                f"drive r/w {read['nvme'] / per_s:.1f}/{written['nvme'] / per_s:.1f} MB/s",
+                f"io wait {1.0 - overlap:.1%}",
+                f"pool peak {pool_peak / 2**20:.0f}/{pool.limit_bytes / 2**20:.0f} MiB"]), \
+                scalars
         parts = [f"{t} r/w (interval) {mib(read[t])}/{mib(written[t])}"
                  for t in self.TIERS if read[t] or written[t]]
         for kind, label in self.KINDS:
@@ -149,21 +178,14 @@ class StoreMeter:
                 parts.append(f"{label} (interval) " + ", ".join(
                     f"{t} r/w {mib(rw[0])}/{mib(rw[1])}" for t, rw in moved.items() if any(rw)))
         for label, peak in (activation_peak or {}).items():
-            held = [f"{tier} {mib(n)}" for tier, n in peak.items() if n]
+            # the store's "gpu" tier is the compute device, whichever it is
+            held = [f"{tier_label(tier)} {mib(n)}" for tier, n in peak.items() if n]
             if held:
                 parts.append(f"{label} peak (last step) " + ", ".join(held))
-        pool = self.store.pool
-        overlap = max(0.0, 1.0 - (prefetch + other) / elapsed) if elapsed > 0 else 1.0
-        parts += [f"host pool peak (cumulative) {mib(pool.peak_in_use * pool.buffer_bytes)} "
-                  f"of {mib(pool.limit_bytes)}",
+        parts += [f"host pool peak (cumulative) {mib(pool_peak)} of {mib(pool.limit_bytes)}",
                   f"prefetch wait (interval) {prefetch:.2f} s",
                   f"other io wait (interval) {other:.2f} s",
                   f"not waiting on io (interval) {overlap:.1%}"]
-        scalars = {f"snake/{t}-{d}-bytes": v[t] for t in self.TIERS
-                   for d, v in (("read", read), ("write", written))}
-        scalars.update({"snake/prefetch-wait-seconds": prefetch,
-                        "snake/other-io-wait-seconds": other,
-                        "snake/io-overlap-fraction": overlap})
         return " | ".join(parts), scalars
 
     def total(self) -> str:
@@ -198,11 +220,10 @@ class OffloadedState:
         optim = self.optimizer.state_bytes()
         grads = optim // 3  # fp32, one value per parameter, held between backward and update
         ckpt = checkpoint_bytes_per_step(args)
-        per_tier = {"gpu": pinned, "host": 0, "nvme": 0}
+        per_tier = {"device": pinned, "host": 0, "nvme": 0}
         per_tier[self.tiers.params] += weights - pinned
         per_tier[self.tiers.optimizer] += optim + grads
-        ckpt_tier = {"device": "gpu", "auto": None}.get(args.snake_activation_tier,
-                                                        args.snake_activation_tier)
+        ckpt_tier = None if args.snake_activation_tier == "auto" else args.snake_activation_tier
         if ckpt_tier is not None:
             per_tier[ckpt_tier] += ckpt
         # Per step, off the device: unpinned weights read in both sweeps and written once by
@@ -215,16 +236,17 @@ class OffloadedState:
         written = (weights - pinned) + optim + grads + off_device_ckpt
         units = sorted(self.weights.pinned)
         need, free = self.capacity
+        inputs_on = "where the activation plan puts them (auto)" \
+            if ckpt_tier is None else f"on {ckpt_tier}"
         return ("> offloaded state per tier: "
                 + ", ".join(f"{t} {mib(n)}" for t, n in per_tier.items())
                 + f" (weights {mib(weights)} on {self.tiers.params}, "
                 f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
                 f"weights + moments + gradients {mib((optim + grads))} on "
-                f"{self.tiers.optimizer}; unit inputs {mib(ckpt)} on "
-                f"{args.snake_activation_tier}); per step about {mib(read)} read and "
-                f"{mib(written)} written off the device; free space checked: "
-                f"{mib(need)} needed with margin, {mib(free)} free on the "
-                "offload drive")
+                f"{self.tiers.optimizer}; unit inputs {mib(ckpt)} {inputs_on}); per step "
+                f"about {mib(read)} read and {mib(written)} written off the device; free "
+                f"space checked: {mib(need)} more needed with margin (beyond what the "
+                f"offload files hold now), {mib(free)} free on the offload drive")
 
 
 @dataclass(frozen=True)
@@ -448,14 +470,21 @@ def _embedding_group(gpt):
     return None
 
 
-def working_set_error(limit: int, need: int, unit) -> ValueError:
+def working_set_parts(tied: bool) -> str:
+    """What a unit's device working set holds, in words (``unit_working_set_bytes``);
+    ``tied``: the model has shared (tied) weights on this stage."""
+    return "its weights and fp32 gradient, " + \
+        ("the tied embedding and its fp32 gradient, " if tied else "") + \
+        "a snake group's unit inputs"
+
+
+def working_set_error(limit: int, need: int, unit, *, tied: bool) -> FlagError:
     """``--snake-gpu-memory-limit`` below the largest unit's working set (the pre-flight
     and the start check say it alike)."""
-    return ValueError(
+    return FlagError(
         f"--snake-gpu-memory-limit {mib(limit)} is below the working set of unit {unit} "
-        f"({mib(need)}: its weights and fp32 gradient, the tied weights, a snake group's "
-        f"unit inputs); the minimum is {need} bytes. Raise the limit or lower "
-        "--snake-checkpoint-interval or --snake-group-size.")
+        f"({mib(need)}: {working_set_parts(tied)}); the minimum is {need} bytes. Raise "
+        "the limit or lower --snake-checkpoint-interval or --snake-group-size.")
 
 
 def build_offloaded_state(args, gpt, store, device: torch.device, *,
@@ -465,12 +494,13 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     model built out of memory (``build_gpt_model(..., on_built=initial.spill)``)."""
     units = GPTUnits(gpt, args.snake_checkpoint_interval)
     params = UnitParams.of(units)
-    if initial is not None:   # the tied weights stay on the device for the whole run
+    if initial is not None:   # shared (tied) weights stay on the device for the whole run
         initial.restore(params.shared, device)
     if args.snake_gpu_memory_limit is not None:
         need, unit = unit_working_set_bytes(args, params)
         if args.snake_gpu_memory_limit < need:
-            raise working_set_error(args.snake_gpu_memory_limit, need, unit)
+            raise working_set_error(args.snake_gpu_memory_limit, need, unit,
+                                    tied=params.shared.numel > 0)
     dp = DataParallel.from_megatron()
     full_numel = sum(lay.numel for lay in params.all_layouts())
     numel = -(-full_numel // dp.size)  # this rank's share

@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_snake.errors import FlagError
+
 
 class ExitConditions:
     """The early-exit conditions of one run; ``check`` is called after each iteration."""
@@ -28,8 +30,8 @@ class ExitConditions:
         self._handling = signal_handler
         if signal_handler:
             if threading.current_thread() is not threading.main_thread():
-                raise ValueError("--exit-signal-handler: Python delivers signals to the main "
-                                 "thread only; call pretrain from it, or drop the flag")
+                raise FlagError("--exit-signal-handler: Python delivers signals to the main "
+                                "thread only; call pretrain from it, or drop the flag")
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

@@ -12,17 +12,22 @@ shape-only stand-ins for its flat layouts, so the two agree by construction.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
+from megatron_snake.errors import UserError
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import part_bounds
 from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
-from megatron_snake.storage.host_pool import DEFAULT_BUFFER_BYTES, check_host_memory_limit
+from megatron_snake.storage.host_pool import (DEFAULT_BUFFER_BYTES, DEFAULT_POOL_CAP_BYTES,
+                                              STAGING_BUFFERS, check_host_memory_limit,
+                                              default_pool_bytes)
 from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import host_buffers_for
 from megatron_snake.storage.temp_dirs import sweep_dead_temp_offload_dirs
@@ -33,14 +38,19 @@ from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, ch
                                                      offload_dir_for_rank,
                                                      resolve_state_tiers,
                                                      saves_to_offload_drive, units_to_pin,
-                                                     unit_working_set_bytes, working_set_error)
+                                                     unit_working_set_bytes, working_set_error,
+                                                     working_set_parts)
 
 
 # --- parameter counts ------------------------------------------------------------------
 
+class ShapeError(UserError, ValueError):
+    """A model shape the tensor-parallel size does not divide."""
+
+
 def _divide(n: int, parts: int, what: str) -> int:
     if n % parts:
-        raise ValueError(f"--tensor-model-parallel-size {parts} does not divide {what} "
+        raise ShapeError(f"--tensor-model-parallel-size {parts} does not divide {what} "
                          f"({n}); Megatron-Core needs an even split")
     return n // parts
 
@@ -187,7 +197,7 @@ class Preflight:
     pinned: int                  # their records' bytes
     device_unit_inputs: int      # the step's unit inputs when they may stay on the device
     # host
-    pool_bytes: int              # --snake-host-memory-limit
+    pool_bytes: int              # --snake-host-memory-limit, or its default for this rank
     pool_buffers: int
     buffer_bytes: int
     host_buffers: HostBuffers    # pool buffers each part would hold on the host tier
@@ -204,6 +214,7 @@ class Preflight:
     checkpoints_on_drive: bool   # --save is on the offload drive: they count there
     offload_path: str            # the offload directory (this rank's), or the temporary one
     offload_dir_given: bool
+    pool_why: str = "given by --snake-host-memory-limit"   # where pool_bytes comes from
 
     @property
     def params_rank(self) -> int:
@@ -288,21 +299,62 @@ class Preflight:
             f"shard {dp + 1}/{DP}): {self.params_rank:,} parameters in "
             f"{len(self.counts.units)} unit(s){shared}, {self.elem}-byte working weights",
             f"> pre-flight device: {size(self.device_bytes)} (working set of unit "
-            f"{self.working_set_unit} {size(self.working_set)}: its weights and fp32 "
-            f"gradient, the tied weights, a snake group's unit inputs; the next unit "
+            f"{self.working_set_unit} {size(self.working_set)}: "
+            f"{working_set_parts(self.counts.shared > 0)}; the next unit "
             f"prefetched {size(self.prefetch)}{pinned}); activations inside a unit come on "
             "top",
             f"> pre-flight host: {size(self.host_bytes)} (pool {size(self.pool_bytes)}: "
             f"{self.pool_buffers} buffers of {mib(self.buffer_bytes)}, the host tiers hold "
             f"{self.host_buffers_used} ("
             + ", ".join([f"{name} {n}" for name, n in self._on_host()] + ["1 for staging"])
-            + f"); outside the pool: {outside})",
+            + f"); outside the pool: {outside}); the pool is {self.pool_why}",
             f"> pre-flight drive, {self.drive_label()}: {size(self.drive_planned)} planned "
             f"({self.drive_parts()}; weights on {t.params}, optimizer state on "
             f"{t.optimizer}, unit inputs on {self.unit_input_tier}){saved}; "
             f"{size(self.drive_needed)} needed with the {directory.MARGIN_FRACTION:.0%} + "
             f"{directory.MARGIN_BYTES >> 20} MiB margin{free}",
         ])
+
+
+def host_pool_default(args, need: HostBuffers,
+                      buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> tuple[int, str]:
+    """``--snake-host-memory-limit``'s default for this rank, and why, in words:
+    ``host_pool.default_pool_bytes`` of the buffers its state may hold in host memory:
+    the weights, the optimizer state and gradients and the step's unit inputs, whichever
+    tier they are on (the host tiers hold them; from the drive tiers the gradients
+    waiting for their update, the optimizer state read ahead and the weights read next
+    spill to host memory when there is room); under ``--snake-activation-tier auto`` at
+    least twice the unit inputs (its plan may use half the pool). With
+    ``--snake-param-tier`` / ``--snake-optimizer-tier auto``, at least four times what
+    they put on the host with the largest pool, so that the smaller pool makes the same
+    choice (a quarter of the pool: ``resolve_state_tiers``). The cap when saved tensors
+    go to the host tier: their size is known only while running."""
+    cap = DEFAULT_POOL_CAP_BYTES
+    cap_text = "the default's cap (without --snake-host-memory-limit)"
+    if args.snake_activation_offload and args.snake_activation_tier == "host":
+        return cap, f"{cap_text}: saved tensors on the host tier are sized while running"
+    state = need.weights + need.optimizer + need.unit_inputs
+    what = (f"room for this rank's state, {state} buffers (weights {need.weights}, "
+            f"optimizer state and gradients {need.optimizer}, unit inputs "
+            f"{need.unit_inputs}), and {STAGING_BUFFERS} for staging")
+    if args.snake_activation_tier == "auto" and 2 * need.unit_inputs > state:
+        state = 2 * need.unit_inputs
+        what = (f"twice the {need.unit_inputs} buffers of unit inputs (the auto plan may "
+                f"use half the pool), and {STAGING_BUFFERS} for staging")
+    pool = default_pool_bytes(state, buffer_bytes)
+    if "auto" in (args.snake_param_tier, args.snake_optimizer_tier):
+        largest = resolve_state_tiers(args, need, cap // buffer_bytes)
+        if resolve_state_tiers(args, need, pool // buffer_bytes) != largest:
+            on_host = (need.weights if largest.params == "host" else 0) + \
+                (need.optimizer if largest.optimizer == "host" else 0)
+            pool = default_pool_bytes(4 * on_host, buffer_bytes)
+            what = (f"4 x the {on_host} buffers the auto tiers put on the host (they take "
+                    f"a quarter of the pool), and {STAGING_BUFFERS} for staging")
+            if resolve_state_tiers(args, need, pool // buffer_bytes) != largest:
+                return cap, f"{cap_text}: the auto tiers choose within it"
+    if pool >= cap:
+        return cap, f"{cap_text}: {what} would be more"
+    return pool, f"the default without --snake-host-memory-limit: {what}"
 
 
 def _count(n: int) -> str:
@@ -333,8 +385,11 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     working_set, unit = unit_working_set_bytes(args, params)
     pinned = units_to_pin(args, params, dp.size)
-    pool_buffers = check_host_memory_limit(args.snake_host_memory_limit, DEFAULT_BUFFER_BYTES)
     need = host_buffers_needed(args, params, dp, pinned, host_buffers_for)
+    pool_bytes, pool_why = args.snake_host_memory_limit, "given by --snake-host-memory-limit"
+    if getattr(args, "snake_host_pool_default", False):   # the flag was not given
+        pool_bytes, pool_why = host_pool_default(args, need)
+    pool_buffers = check_host_memory_limit(pool_bytes, DEFAULT_BUFFER_BYTES)
     tiers = resolve_state_tiers(args, need, pool_buffers)
     numel = -(-counts.total // dp.size)
     ckpt = checkpoint_bytes_per_step(args)
@@ -365,7 +420,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         prefetch=max(counts.units) * elem, pinned_units=tuple(pinned),
         pinned=sum(hi - lo for u in pinned for lo, hi in parts[u]) * elem,
         device_unit_inputs=ckpt if args.snake_activation_tier in ("device", "auto") else 0,
-        pool_bytes=args.snake_host_memory_limit, pool_buffers=pool_buffers,
+        pool_bytes=pool_bytes, pool_buffers=pool_buffers, pool_why=pool_why,
         buffer_bytes=DEFAULT_BUFFER_BYTES, host_buffers=need,
         optimizer_update=16 * largest_part,
         partial_gradients=4 * sum(counts.units) if groups > 1 else 0,
@@ -383,7 +438,8 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
     pf, errors = preflight, []
     limit = args.snake_gpu_memory_limit
     if limit is not None and limit < pf.working_set:
-        errors.append(working_set_error(limit, pf.working_set, pf.working_set_unit))
+        errors.append(working_set_error(limit, pf.working_set, pf.working_set_unit,
+                                        tied=pf.counts.shared > 0))
     try:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
@@ -403,7 +459,25 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
     if len(errors) == 1:
         raise errors[0]
     if errors:
-        raise type(errors[0])("\n".join(str(e) for e in errors))
+        raise type(errors[0])("; ".join(str(e) for e in errors))
+
+
+class DoesNotFitError(UserError, ValueError):
+    """--snake-dry-run's answer when the run as planned does not fit."""
+
+
+@contextlib.contextmanager
+def dry_run_verdict(args, log=print):
+    """Around the pre-flight: with --snake-dry-run a refusal is the dry run's answer, "does
+    not fit: ..." (after the report was printed), and a pass says that it fits."""
+    try:
+        yield
+    except UserError as exc:
+        if not args.snake_dry_run:
+            raise
+        raise DoesNotFitError(f"does not fit: {exc}") from exc
+    if args.snake_dry_run:
+        log("> --snake-dry-run: the run fits; nothing was built")
 
 
 def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
@@ -419,6 +493,8 @@ def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
         pf = estimate(args, vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                       pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                       dp_rank=parallel_state.get_data_parallel_rank(), rank=rank)
+        # the default pool, sized to this rank, is what the store is made with
+        args.snake_host_memory_limit = pf.pool_bytes
         if not args.snake_offload_dir:   # killed runs' leftovers are not counted as used
             sweep_dead_temp_offload_dirs()
         free = drive_free_bytes(pf.offload_path)

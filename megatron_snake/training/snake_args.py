@@ -24,7 +24,8 @@ from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
 from megatron_snake.storage.errors import OffloadError
-from megatron_snake.storage.host_pool import check_host_memory_limit, physical_memory_bytes
+from megatron_snake.storage.host_pool import (DEFAULT_POOL_CAP_BYTES, STAGING_BUFFERS,
+                                              check_host_memory_limit, physical_memory_bytes)
 from megatron_snake.storage.sizes import parse_size
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
@@ -115,8 +116,14 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "at start against the largest unit's working set; what is left after "
                         "it and the step's checkpoints keeps units' weights on the device "
                         "(pinned: not re-read each sweep). Default: no check, nothing pinned")
-    g.add_argument("--snake-host-memory-limit", default="2GiB",
-                   help="hard limit of the host buffer pool (e.g. 4GiB)")
+    g.add_argument("--snake-host-memory-limit", default=None,
+                   help="hard limit of the host buffer pool (e.g. 4GiB). Default: room for "
+                        "the records this rank's offloaded state may hold in host memory "
+                        "(its host tiers, and what may spill there) and "
+                        f"{STAGING_BUFFERS} buffers of drive staging, at most "
+                        f"{DEFAULT_POOL_CAP_BYTES >> 30}GiB (the pre-flight prints it and why); "
+                        f"{DEFAULT_POOL_CAP_BYTES >> 30}GiB without --snake-offload and with "
+                        "saved tensors on the host tier")
     g.add_argument("--snake-auto", action="store_true",
                    help="choose " + ", ".join(AUTO_CHOSEN_FLAGS) + " by the cost model "
                         "(megatron_snake/planner) for --snake-hardware: the least predicted "
@@ -141,6 +148,11 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "most --train-iters (default "
                         f"{DEFAULT_TRACE_ITERATION}: the first steady one; the last if the "
                         "run is shorter)")
+    g.add_argument("--snake-log-details", action="store_true",
+                   help="every figure on the log line after Megatron-LM's fields (tokens/s, "
+                        "each memory figure, bytes per tier and per kind, activation peaks, "
+                        "prefetch and other I/O waits); default: a compact set (peak memory, "
+                        "drive MB/s, the I/O wait share, the host pool's peak)")
     g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
                    help="how offloaded bytes reach the drive: auto (native io_uring, else "
                         "the native thread pool, else Python), uring, threads (the native "
@@ -179,6 +191,7 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
     flag. ``planned``: the flags describe a run being planned (tools/plan.py), perhaps for
     another machine, whose memory is its hardware profile's, not this one's."""
     check_rule(parser, check_checkpoint_interval, args.snake_checkpoint_interval)
+    _default_host_memory_limit(args)
     for flag in ("--snake-host-memory-limit", "--snake-gpu-memory-limit"):
         attr = flag[2:].replace("-", "_")
         if getattr(args, attr) is not None:
@@ -208,6 +221,16 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
         check_rule(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)
     _validate_zenflow(args, parser)
+
+
+def _default_host_memory_limit(args) -> None:
+    """--snake-host-memory-limit not given: the cap for now, and
+    ``args.snake_host_pool_default`` says so; the pre-flight of an offloaded run
+    (``preflight.host_pool_default``, with the model's shapes) sizes the pool to the run."""
+    default = args.snake_host_memory_limit is None
+    if default:
+        args.snake_host_memory_limit = DEFAULT_POOL_CAP_BYTES
+    args.snake_host_pool_default = default or getattr(args, "snake_host_pool_default", False)
 
 
 def refuse_flags_snake_auto_chooses(args, parser, given: list[str]) -> None:

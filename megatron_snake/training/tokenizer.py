@@ -37,6 +37,8 @@ import os
 from collections import OrderedDict
 from typing import Iterable, List, Optional
 
+from megatron_snake.errors import FlagError
+
 # --tokenizer-type -> the file flags it reads (its dest names).
 TOKENIZER_FILES = {
     "ByteTokenizer": (),
@@ -104,7 +106,7 @@ class NullTokenizer:
     def __init__(self, vocab_size: int):
         vocab_size = int(vocab_size)
         if vocab_size <= 0:
-            raise ValueError(f"--vocab-size must be positive for NullTokenizer, got {vocab_size}")
+            raise FlagError(f"--vocab-size must be positive for NullTokenizer, got {vocab_size}")
         self._vocab_size_without_eod = vocab_size
         self._eod_id = vocab_size
 
@@ -164,12 +166,12 @@ class GPT2BPETokenizer:
         try:
             self._tokenizer = ByteLevelBPETokenizer(*self._files)
         except Exception as exc:  # the library raises its own (Rust) exception type
-            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a "
-                             f"GPT-2 vocab.json and merges.txt ({exc})") from None
+            raise FlagError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a "
+                            f"GPT-2 vocab.json and merges.txt ({exc})") from None
         self._eod = self._tokenizer.token_to_id(self.EOD_TOKEN)
         if self._eod is None:
-            raise ValueError(f"--vocab-file {vocab_file}: has no {self.EOD_TOKEN} token, "
-                             "which GPT2BPETokenizer uses as the end-of-document token")
+            raise FlagError(f"--vocab-file {vocab_file}: has no {self.EOD_TOKEN} token, "
+                            "which GPT2BPETokenizer uses as the end-of-document token")
 
     @property
     def vocab_size(self) -> int:
@@ -230,8 +232,8 @@ def _check_files(tokenizer_type: str, files: dict) -> None:
             raise ValueError(f"{_flag(name)} is not read by --tokenizer-type {tokenizer_type} "
                              f"(it reads {reads}); drop the flag or change the type")
     if any(files[name] is None for name in needed):
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs "
-                         f"{' and '.join(_flag(name) for name in needed)}")
+        raise FlagError(f"--tokenizer-type {tokenizer_type} needs "
+                        f"{' and '.join(_flag(name) for name in needed)}")
     # HuggingFaceTokenizer takes a directory: a Hub name is refused, so nothing downloads
     want_dir = tokenizer_type == "HuggingFaceTokenizer"
     kind = "local directory (nothing is downloaded)" if want_dir else "file"
@@ -240,8 +242,8 @@ def _check_files(tokenizer_type: str, files: dict) -> None:
             raise ValueError(f"{_flag(name)} {files[name]}: no such {kind}")
     library = _LIBRARY.get(tokenizer_type)
     if library and importlib.util.find_spec(library) is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs the {library} package: "
-                         f"pip install {library} (or pip install -e .[tokenizers])")
+        raise FlagError(f"--tokenizer-type {tokenizer_type} needs the {library} package: "
+                        f"pip install {library} (or pip install -e .[tokenizers])")
 
 
 def _megatron_core_tokenizer(tokenizer_type: str, path: str):
@@ -257,12 +259,12 @@ def _megatron_core_tokenizer(tokenizer_type: str, path: str):
         tokenizer = MegatronTokenizer.from_pretrained(
             tokenizer_path=os.path.abspath(path), metadata_path={"library": library})
     except (ValueError, OSError, RuntimeError) as exc:
-        raise ValueError(f"--tokenizer-model {path}: cannot load it as a {tokenizer_type} "
-                         f"({exc})") from None
+        raise FlagError(f"--tokenizer-model {path}: cannot load it as a {tokenizer_type} "
+                        f"({exc})") from None
     eod = tokenizer.eod
     if eod is None or eod < 0:  # HF: no eos (nor sep) token; SentencePiece: eos_id -1
-        raise ValueError(f"--tokenizer-model {path}: the tokenizer has no eos token, which "
-                         "Megatron uses as the end-of-document token")
+        raise FlagError(f"--tokenizer-model {path}: the tokenizer has no eos token, which "
+                        "Megatron uses as the end-of-document token")
     return tokenizer
 
 
@@ -284,13 +286,13 @@ def build_tokenizer(tokenizer_type: str = "ByteTokenizer", vocab_size: Optional[
     _check_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
                                   "tokenizer_model": tokenizer_model})
     if vocab_size is not None and tokenizer_type != "NullTokenizer":
-        raise ValueError(f"--vocab-size is read by --tokenizer-type NullTokenizer only; "
-                         f"{tokenizer_type}'s vocabulary is its own: drop --vocab-size")
+        raise FlagError(f"--vocab-size is read by --tokenizer-type NullTokenizer only; "
+                        f"{tokenizer_type}'s vocabulary is its own: drop --vocab-size")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer requires --vocab-size")
+            raise FlagError("--tokenizer-type NullTokenizer requires --vocab-size")
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)

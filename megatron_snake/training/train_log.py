@@ -1,7 +1,16 @@
-"""Megatron-style per-iteration log lines: loss, throughput, model TFLOP/s, memory.
+"""Megatron-style per-iteration log lines.
+
+A line holds Megatron-LM 0.16.1's ``training_log`` fields first, with its names, in its
+order and with its meanings (iteration, consumed samples, elapsed time per iteration,
+throughput per GPU, learning rate, global batch size, lm loss, loss scale, grad norm, the
+skipped and nan iteration counts), then, after ``snake:``, this project's: by default a
+compact set (the peak memory, and for an offloaded run the drive's MB/s, the share of the
+time spent waiting on the store and the host pool's peak); with ``--snake-log-details``
+every figure (tokens/s, each memory figure, bytes per tier and kind, the activation peaks,
+the waits apart).
 
 Every figure is over the log interval (the iterations since the previous line) unless its
-label says "cumulative": memory peaks are reset after each line, so a line shows its own
+label says otherwise: memory peaks are reset after each line, so a line shows its own
 interval's peak, not the start-up one.
 """
 
@@ -20,8 +29,10 @@ from megatron_snake.storage.sizes import gib
 
 
 def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> float:
-    """Model FLOPs of one iteration (forward + backward, no recompute), the way Megatron-LM
-    counts them for a dense GPT: 2 FLOPs per multiply-add, backward = 2 x forward."""
+    """Model FLOPs of one iteration (forward + backward, no recompute), as Megatron-LM
+    0.16.1's ``num_floating_point_operations`` counts them for a dense GPT: 2 FLOPs per
+    multiply-add, backward = 2 x forward, the attention core causal (half of QK^T and of
+    its product with V), one output layer."""
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
     kv = args.kv_channels or h // args.num_attention_heads
     q_size = kv * args.num_attention_heads
@@ -29,11 +40,23 @@ def model_flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> floa
     per_token_per_layer = (
         2 * h * q_size  # Q and output projections
         + 2 * h * kv * args.num_query_groups  # K and V projections
-        + 2 * s * q_size  # attention scores and attention over values
+        + s * q_size  # QK^T and (QK^T)V, each causal: s / 2 keys on average
         + 2 * h * args.ffn_hidden_size * gated  # MLP
     )
     per_token = L * per_token_per_layer + h * vocab_size  # + logits
     return 3 * 2 * per_token * s * args.global_batch_size
+
+
+def device_word(device: torch.device) -> str:
+    """Megatron-LM's "GPU" in its labels on a GPU; "device" on any other compute device
+    (a CPU run has no GPU)."""
+    return "GPU" if device.type == "cuda" else "device"
+
+
+def _tflops(value: float) -> str:
+    """Megatron-LM's one decimal, and significant digits below 0.1 (a small model on a CPU
+    would print 0.0)."""
+    return f"{value:.1f}" if value >= 0.1 or value == 0 else f"{value:.2g}"
 
 
 def peak_rss_bytes() -> int:
@@ -60,13 +83,19 @@ def reset_peak_memory(device: torch.device) -> bool:
         return False
 
 
-def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str], dict, int]:
-    """This interval's memory figures for the log line and as tracker scalars, and the
-    allocator's retry count now (the next interval's baseline)."""
+def memory_fields(device: torch.device, retries_before: int, *, details: bool = True,
+                  rss_cumulative: bool = False) -> tuple[list[str], dict, int]:
+    """This interval's memory figures for the log line (every one with ``details``, else
+    the device's peak allocation on a GPU and the peak RSS) and as tracker scalars, and the
+    allocator's retry count now (the next interval's baseline). ``rss_cumulative``: the OS
+    kept the RSS peak (it covers the run so far)."""
     rss = peak_rss_bytes()
-    text, scalars = [f"peak RSS (interval): {gib(rss)}"], {"mem-peak-rss-bytes": rss}
+    span = "cumulative" if rss_cumulative else "interval"
+    rss_text = f"peak RSS ({span}): {gib(rss)}" if details else \
+        f"peak RSS{' (cumulative)' if rss_cumulative else ''} {gib(rss)}"
+    scalars = {"mem-peak-rss-bytes": rss}
     if device.type != "cuda":
-        return text, scalars, 0
+        return [rss_text], scalars, 0
     stats = torch.cuda.memory_stats(device)
     retries = stats.get("num_alloc_retries", 0)
     now, peak, reserved = (stats.get(k, 0) for k in (
@@ -74,9 +103,12 @@ def memory_fields(device: torch.device, retries_before: int) -> tuple[list[str],
     scalars.update({"mem-allocated-bytes": now, "mem-max-allocated-bytes": peak,
                     "mem-max-reserved-bytes": reserved,
                     "mem-alloc-retries": retries - retries_before})
+    if not details:
+        return [f"max allocated {gib(peak)}", rss_text], scalars, retries
     return [f"mem allocated (now): {gib(now)}", f"max allocated (interval): {gib(peak)}",
             f"max reserved (interval): {gib(reserved)}",
-            f"alloc retries (interval): {retries - retries_before}", *text], scalars, retries
+            f"alloc retries (interval): {retries - retries_before}", rss_text], scalars, \
+        retries
 
 
 class TrainLog:
@@ -86,13 +118,32 @@ class TrainLog:
                  stream=None, trackers=None):
         self.args, self.device, self.rank, self.stream = args, device, rank, stream
         self.trackers = trackers      # TensorBoard / wandb (tracking.Trackers), or None
+        self.details = getattr(args, "snake_log_details", False)
         self.flops = model_flops_per_iteration(args, vocab_size)
         self.tokens_per_iter = args.global_batch_size * args.seq_length
-        # every rank computes a share of the global batch's FLOPs
+        # every rank computes a share of the global batch's FLOPs (Megatron-LM divides by
+        # its args.world_size)
         self.world_size = args.tensor_model_parallel_size * \
             args.pipeline_model_parallel_size * getattr(args, "data_parallel_size", 1)
         self._retries = 0
         self.start_interval()
+
+    def legend(self, store_legend: str = "") -> str:
+        """The line before the first log line: what its figures cover and, by default,
+        what the compact ones after ``snake:`` mean (``store_legend``: the store's,
+        ``StoreMeter.LEGEND``, for an offloaded run)."""
+        head = f"> log lines every {self.args.log_interval} iteration(s) (--log-interval)"
+        if self.details:
+            return (f"{head}: each figure covers the iterations since the previous line "
+                    "unless its label says (cumulative), (now) or (last step); learning "
+                    "rate and loss scale are the line's iteration's")
+        memory = "max allocated: the device's peak allocation; " \
+            if self.device.type == "cuda" else ""
+        return (f"{head}, each figure over the iterations since the previous line: "
+                "Megatron-LM's fields, then after snake: "
+                f"{memory}peak RSS: the process's peak resident memory"
+                + (f"; {store_legend}" if store_legend else "")
+                + " (--snake-log-details: every figure)")
 
     def start_interval(self):
         """A new log interval starts now (the train loop calls it before its first step, so
@@ -133,36 +184,38 @@ class TrainLog:
         per_iter = elapsed / self._iters
         valid = self._iters - self._nan
         loss = self._loss_sum / valid if valid else float("nan")
-        tflops = self.flops / per_iter / 1e12
-        parts = [
+        # per GPU (per device), as Megatron-LM: the global batch's FLOPs / (time x ranks)
+        throughput = self.flops / (per_iter * 1e12 * self.world_size)
+        word = device_word(self.device)
+        parts = [   # Megatron-LM's fields, its names and order (training_log)
             f"iteration {iteration:8d}/{self.args.train_iters:8d}",
             f"consumed samples: {consumed_samples:12d}",
             f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
-            f"throughput per GPU (TFLOP/s/GPU): {tflops / self.world_size:.3f}"
-            if self.device.type == "cuda" else
-            f"model TFLOP/s (all ranks): {tflops:.4f}",
-            f"tokens/s (all ranks): {self.tokens_per_iter / per_iter:.1f}",
+            f"throughput per {word} (TFLOP/s/{word}): {_tflops(throughput)}",
             f"learning rate: {lr:.6E}",
             f"global batch size: {self.args.global_batch_size:5d}",
             f"lm loss: {loss:.6E}",
+            f"loss scale: {loss_scale:.1f}",
         ]
-        if self.args.fp16:
-            parts.append(f"loss scale: {loss_scale:.1f}")
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")
-        memory, scalars, self._retries = memory_fields(self.device, self._retries)
-        if not self._peak_resets:   # the OS kept the RSS peak: say it is cumulative
-            memory = [m.replace("(interval)", "(cumulative)") if m.startswith("peak RSS")
-                      else m for m in memory]
         parts += [f"number of skipped iterations: {self._skipped:3d}",
-                  f"number of nan iterations: {self._nan:3d}", *memory]
+                  f"number of nan iterations: {self._nan:3d}"]
+        # then the snake's
+        memory, scalars, self._retries = memory_fields(
+            self.device, self._retries, details=self.details,
+            rss_cumulative=not self._peak_resets)
+        ours = [f"tokens/s (all ranks): {self.tokens_per_iter / per_iter:.1f}"] \
+            if self.details else []
+        ours += memory
         text, more = extra() if extra else ("", {})
         if text:
-            parts.append(text)
+            ours.append(text)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        self.print(f" [{stamp}] " + " | ".join(parts) + " |")
+        self.print(f" [{stamp}] " + " | ".join(parts) + " | snake: " + " | ".join(ours)
+                   + " |")
         self._track(iteration, {"iteration-time": per_iter,
-                                "throughput": tflops / self.world_size,
+                                "throughput": throughput,
                                 "tokens-per-sec": self.tokens_per_iter / per_iter,
                                 **scalars, **more})
         self.start_interval()

@@ -4,6 +4,7 @@ Megatron counts them, and the tiers resolved as the run resolves them."""
 
 from __future__ import annotations
 
+from megatron_snake.errors import FlagError
 from megatron_snake.planner.workload import Stage, Workload, layer_flops_per_token
 from megatron_snake.training import preflight
 from megatron_snake.training.train_log import model_flops_per_iteration
@@ -32,11 +33,11 @@ def workload_from_args(args, vocab_size: int) -> Workload:
     if not args.snake_offload:
         raise ValueError("the planner models --snake-offload runs: add --snake-offload")
     if args.snake_schedule != "vertical":
-        raise ValueError("--snake-schedule horizontal is an ablation the planner does not "
-                         "model: use the vertical schedule")
+        raise FlagError("--snake-schedule horizontal is an ablation the planner does not "
+                        "model: use the vertical schedule")
     if args.snake_activation_offload:
-        raise ValueError("--snake-activation-offload: the planner does not model it yet; "
-                         "plan without it")
+        raise FlagError("--snake-activation-offload: the planner does not model it yet; "
+                        "plan without it")
     # --snake-param-tier / --snake-optimizer-tier auto resolve as the run resolves them
     tiers = preflight.estimate(args, vocab_size).tiers
 
