@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from megatron_snake.training import checkpointing
 from megatron_snake.training.arguments import parse_args
+from megatron_snake.training.checkpoint_dir import find_checkpoint
 from megatron_snake.training.distributed import free_port, local_rank_env
 from megatron_snake.training.loop import pretrain
 
@@ -274,7 +275,7 @@ def test_a_missing_unit_file_is_refused_naming_it_before_anything_loads(saved, t
     os.unlink(path)
     args = parse_args([*FLAGS, "--load", root])
     with pytest.raises(ValueError) as caught:   # before any state is applied
-        checkpointing.load_checkpoint(root, args=args)
+        checkpointing.load_checkpoint(find_checkpoint(root), args=args)
     message = str(caught.value)
     if name.endswith(".json"):
         unit = path[:-len(checkpointing.CHECKSUM_SUFFIX)]

@@ -14,12 +14,15 @@ all ranks (a shared file system on multi-node jobs).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import logging
 import os
+import signal
 import struct
 import warnings
+import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
@@ -511,25 +514,45 @@ def _windows(total, mbs, dp_rank, dp_size, consumed):
 
 
 def _leave_signals_to_the_rank(_worker_id: int) -> None:
-    """A DataLoader worker leaves the rank's process group. torchrun and Slurm signal a
-    rank's whole process group; a worker killed by that SIGTERM would end the rank with
-    "DataLoader worker is killed by signal" before --exit-signal-handler could finish the
-    iteration and save. The rank still stops its workers itself (and a worker whose rank
-    is gone exits on its own), so none outlives it. (Ignoring SIGTERM instead would also
-    ignore the rank's own ``terminate()`` at exit and hang it.)"""
-    os.setpgid(0, 0)
+    """A DataLoader worker ignores SIGTERM. torchrun signals a rank's process group and
+    Slurm every process of the job step; a worker killed by that SIGTERM would end the rank
+    with "DataLoader worker is killed by signal" before --exit-signal-handler could finish
+    the iteration and save. A worker whose rank is gone exits on its own (the DataLoader's
+    watchdog), and the rank kills the ones left at its exit (``_kill_workers_at_exit``)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    """multiprocessing ends daemonic children at exit with SIGTERM and then waits for
+    them; a DataLoader worker ignores SIGTERM, so it is killed first instead. Registered
+    after multiprocessing's own exit function (``import torch`` imports it), so it runs
+    before it."""
+    for worker in list(_workers):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+_workers = weakref.WeakSet()   # the DataLoader worker processes this rank started
+atexit.register(_kill_workers_at_exit)
+
+
+def _workers_loader(dataset, indices, num_workers):
+    # The index lists are the batch sampler, so the order and the resume point are the
+    # ones of ``_windows`` (the DataLoader keeps its workers' batches in order). Its own
+    # generator: seeding the workers must not draw from the global RNG dropout uses.
+    batches = iter(DataLoader(
+        dataset, batch_sampler=indices, collate_fn=collate, num_workers=num_workers,
+        generator=torch.Generator(), worker_init_fn=_leave_signals_to_the_rank))
+    _workers.update(batches._workers)
+    return batches
 
 
 def _micro_batch_generator(dataset, mbs, dp_rank, dp_size, consumed, num_workers):
     total, window = len(dataset), mbs * dp_size
     indices = _windows(total, mbs, dp_rank, dp_size, consumed)
     if num_workers:
-        # The index lists are the batch sampler, so the order and the resume point are the
-        # ones above (the DataLoader keeps its workers' batches in order). Its own generator:
-        # seeding the workers must not draw from the global RNG dropout uses.
-        batches = iter(DataLoader(
-            dataset, batch_sampler=indices, collate_fn=collate, num_workers=num_workers,
-            generator=torch.Generator(), worker_init_fn=_leave_signals_to_the_rank))
+        batches = _workers_loader(dataset, indices, num_workers)
     else:
         batches = (collate([dataset[i] for i in idx]) for idx in indices)
     for batch in batches:
