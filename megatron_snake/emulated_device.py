@@ -21,6 +21,10 @@ one engine per direction, ``bytes / rate``, and no CPU, as DMA takes none; its b
 not moved (the emulated device computes nothing from them). Without one, such copies are
 CPU copies on this machine's cores.
 
+The store sees all of this through one object, ``EmulatedCopies``: the copy strategy its
+tiers are handed (storage/copies.py), which is the store's own until a block runs
+``emulating()``.
+
 Only a benchmark turns it on (``emulating``); it imports nothing of this package's, so
 every layer may ask ``active()``.
 """
@@ -119,6 +123,54 @@ def host_read() -> None:
     wait for the emulated device's queue, as the read would wait for the GPU's."""
     if _active is not None:
         _active.synchronize()
+
+
+class EmulatedCopies:
+    """The emulated device as a copy strategy (the interface of storage/copies.py's
+    ``Copies``) around the store's own, ``base``. While a block runs ``emulating()``, the
+    tensors of the thread that entered it are the device's (``device_side``): the event of
+    such a put's source or get's ``out`` is a point on the clock, and with a host link a
+    copy between the device and host memory is time on the link's engine for its direction
+    and no CPU (``record(name, cat, start, end, **args)`` gets its span: the timeline's
+    ``record``, which this module may not import). Outside such a block, and for all the
+    rest, it is ``base``."""
+
+    device_side = staticmethod(device_side)
+
+    def __init__(self, base, record=None):
+        self._base, self._record = base, record
+        self._base_across = base.across
+
+    def __getattr__(self, name):
+        # what this strategy leaves to the base: looked up there once, then an attribute
+        if name.startswith("__") or name in ("_base", "_record", "_base_across"):
+            raise AttributeError(name)
+        value = getattr(self._base, name)
+        setattr(self, name, value)
+        return value
+
+    def caller_event(self, tensor):
+        if tensor.is_cuda:
+            return self._base.caller_event(tensor)
+        return active().event() if device_side() else None
+
+    def over_link(self, ready) -> bool:
+        return _link is not None and device_side() and not isinstance(ready, ClockEvent)
+
+    def from_device(self, ready) -> bool:
+        return isinstance(ready, ClockEvent)
+
+    def across(self, pairs, direction: str, device_side: bool, span: str | None = None):
+        if device_side:
+            nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+            on_link = link_copy(nbytes, direction)
+            if on_link is not None:
+                if self._record is not None:
+                    self._record(f"link {direction}", "link", *on_link,
+                                 thread=f"link {direction}", bytes=nbytes,
+                                 seconds=on_link[1] - on_link[0])
+                return
+        self._base_across(pairs, direction, device_side, span)
 
 
 @contextmanager

@@ -128,17 +128,18 @@ def reference_training(model, batches, *, clip: float, lr: float, weight_decay: 
 
 def hold_nvme_writes(store, monkeypatch):
     """Make ``store``'s NVMe writes wait until the returned event is set, so a put stays in
-    flight (the forwarding tests)."""
+    flight (the forwarding tests): every drive write of a record passes the drive tier's
+    ``write_bytes``."""
     import threading
 
     gate = threading.Event()
-    write = store._write_nvme
+    write = store._drive.write_bytes
 
     def gated_write(*args, **kwargs):
         assert gate.wait(30), "test gate never opened"
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(store, "_write_nvme", gated_write)
+    monkeypatch.setattr(store._drive, "write_bytes", gated_write)
     return gate
 
 

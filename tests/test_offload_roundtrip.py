@@ -150,7 +150,7 @@ def test_tiers_move_and_replace(tmp_path):
         assert s.pool.resident == 0
         s.put("k", b, tier="host").wait()                 # replaces: nvme extents freed
         assert s.tiers("k") == ["host"] and torch.equal(s.get("k").wait(), b)
-        assert sum(f.used for f in s._files.values()) == 0
+        assert sum(f.used for f in s._drive.files.values()) == 0
         s.delete("k").wait()
         assert "k" not in s and s.pool.resident == 0
         with pytest.raises(KeyError, match="no key"):
@@ -184,7 +184,7 @@ def test_synchronize_waits_for_deletes(tmp_path):
         threading.Timer(0.2, gate.set).start()
         s.synchronize()
         assert s.pool.resident == 0 and s.pool.in_use == 0
-        assert sum(f.used for f in s._files.values()) == 0
+        assert sum(f.used for f in s._drive.files.values()) == 0
 
 
 def test_a_read_result_is_freed_when_the_caller_drops_it(tmp_path):
@@ -239,14 +239,14 @@ def test_a_read_issued_after_a_large_write_completes_before_it(tmp_path):
         s.put("next unit", small, tier="nvme").wait()
         # the write stays on the drive until the read is back (or 30 s, should the read
         # wait behind it): the order no longer depends on how fast 4 MiB is written
-        written, write = threading.Event(), s._write_nvme
+        written, write = threading.Event(), s._drive.write_bytes
 
         def held_write(e, *args, **kwargs):
             if e.key == "gradient":
                 written.wait(timeout=30)
             return write(e, *args, **kwargs)
 
-        s._write_nvme = held_write
+        s._drive.write_bytes = held_write
         done = []
         big = s.put("gradient", torch.randn(64 * BUF // 4), tier="nvme")   # 64 buffers
         big._future.add_done_callback(lambda _: done.append("write"))
@@ -264,13 +264,13 @@ def test_a_write_into_memory_does_not_queue_behind_drive_writes(tmp_path):
     previous one) has workers of its own: it never waits behind the updated optimizer
     state on its way to the drive (the drive writers are all busy here)."""
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF, workers=1) as s:
-        released, write = threading.Event(), s._write_nvme
+        released, write = threading.Event(), s._drive.write_bytes
 
         def held_write(e, *args, **kwargs):
             released.wait(timeout=30)
             return write(e, *args, **kwargs)
 
-        s._write_nvme = held_write
+        s._drive.write_bytes = held_write
         state = s.put("updated state", torch.randn(BUF // 4), tier="nvme")
         gradient = torch.randn(BUF // 8)
         s.put("gradient", gradient, tier="host").wait()   # before the drive write is let go
@@ -315,11 +315,11 @@ def test_a_value_on_the_drive_is_read_into_host_buffers_and_lent_there(tmp_path,
                                                                        monkeypatch):
     """With room in the pool, a borrow of a record on the drive reads it into host buffers
     as a prefetch would, lends their own bytes and writes them back: no copy either way."""
-    import megatron_snake.storage.store as store_module
+    import megatron_snake.storage.copies as copies_module
 
     copies = []
-    real_copy = store_module._copy
-    monkeypatch.setattr(store_module, "_copy",
+    real_copy = copies_module.copy_pairs     # every copy the store's tiers make
+    monkeypatch.setattr(copies_module, "copy_pairs",
                         lambda stream, pairs: (copies.append(pairs), real_copy(stream, pairs)))
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF,
                      engine=engine) as s:

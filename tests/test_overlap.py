@@ -1,4 +1,4 @@
-"""Overlap mechanisms (issue: the device never waits for the host or the drive): gradients
+"""Overlap mechanisms, so that the device never waits for the host or the drive: gradients
 in the fastest tier with room, norms where the gradients are, updated weights kept close
 for their read, the emulated device and its roofline, and --snake-trace."""
 
@@ -571,13 +571,13 @@ def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_pa
     rate, n = 40 * MiB, 4 * MiB
     with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
         release = threading.Event()
-        contiguous_source = store._contiguous_source
+        contiguous_source = store.copies.contiguous_source
 
         def held(tensor, ready):      # the put is still writing while the device reads
             release.wait(5)
             return contiguous_source(tensor, ready)
 
-        monkeypatch.setattr(store, "_contiguous_source", held)
+        monkeypatch.setattr(store.copies, "contiguous_source", held)
         host = torch.full((n // 4,), 2.0)
         with emulated_device.emulating(link_bytes_per_s=rate), \
                 timeline.recording() as recorded:

@@ -5,12 +5,16 @@
         store.put("x", t, tier="nvme").wait()
         t2 = store.get("x").wait()
 
-The bottom layer: it imports nothing else of megatron_snake and knows nothing of training.
+The bottom layer: it imports nothing else of megatron_snake but the timeline, the errors and
+the emulated device's clock, and knows nothing of training.
 Modules, from the drive up: engine (the native csrc engine or a Python fallback), swap_file
 (the on-disk record format), directory (the rank directory, its lock, stale files and free
 space), safe_files (creating files and directories without following links), host_pool
-(pinned buffers under a hard limit), gds (GPUDirect through kvikio),
-store (TensorStore), errors, and sizes (tier names and byte sizes).
+(pinned buffers under a hard limit), gds (GPUDirect through kvikio), copies (the copy
+strategy: how bytes cross between host memory and the device), tiers/ (each tier an object:
+device, host, drive, GDS drive), record (a key's value and its copies), counters, store
+(TensorStore: keys, the order of their operations, placement), errors, and sizes (tier
+names and byte sizes).
 """
 
 from megatron_snake.storage.errors import (CapacityError, HostMemoryError, IntegrityError,
