@@ -1,57 +1,169 @@
 #!/usr/bin/env bash
-# Everything megatron_snake checks and measures on a GPU, in two commands of under 10
-# minutes each (GPU time is rare: prepare beforehand, spend it measuring):
+# Everything megatron_snake checks and measures on a GPU, in parts of one command each that
+# end within 540 s, their set-up (install from .gpu/, env.txt) included: a lent machine
+# gives a session 15 minutes (its start 1-2 of them) and a command at most 10, so a part
+# fits one command with a minute to spare, and a step cut short can be run again alone
+# (SNAKE_GPU_ONLY) in what is left. In order of value:
 #
-#   bash tools/gpu_check.sh OUTDIR suite   # the GPU test suite (tests/gpu) + the demo
-#   bash tools/gpu_check.sh OUTDIR bench   # the GPU part of every benchmark + a trace
-#   bash tools/gpu_check.sh OUTDIR zero    # side by side with ZeRO-Infinity on the GPU
-#   bash tools/gpu_check.sh OUTDIR plan    # the cost model against measured GPU steps
+#   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 10x the memory given) vs
+#                                            # Megatron with and without full recompute;
+#                                            # the trace of one steady step
+#   bash tools/gpu_check.sh OUTDIR suite     # tests/gpu, the demo, bench_schedule, ZenFlow
+#   bash tools/gpu_check.sh OUTDIR zero      # side by side with ZeRO-Infinity (M 16, then
+#                                            # M 4 and 1), its ops built in the same command
+#   bash tools/gpu_check.sh OUTDIR io        # the store vs fio, the pinned pool vs a plain
+#                                            # pinned copy, activation offload, why no GDS
+#   bash tools/gpu_check.sh OUTDIR plan      # the cost model against measured GPU steps
+#   bash tools/gpu_check.sh OUTDIR setup     # install only (env.txt), to run steps by hand
+#   bash tools/gpu_check.sh OUTDIR next      # the first part unmeasured, or measured before
+#                                            # its code last changed (tools/gpu_parts.tsv,
+#                                            # tools/gpu_next_part.py; without .git, the
+#                                            # answer tools/gpu_carry.sh left in .gpu/next_part)
 #
-# Every step is time-boxed (`timeout`); each leaves STEP.log (and its JSON, the suite a
-# junit XML) in OUTDIR, and one line in OUTDIR/steps.tsv (step, exit code, seconds).
-# SNAKE_SCRATCH (default /tmp/snake_scratch) is the directory on the drive to offload to;
-# SNAKE_GPU_ONLY="step step..." runs only the steps named.
+# Each part is a list of steps, the most valuable first, each under a time box (`timeout`)
+# and the boxes of a part add up to at most 480 s (tests/test_gpu_check.py checks it). A
+# step also never runs past SNAKE_GPU_PART_LIMIT (530 s) from the command's start: its box
+# shrinks to what is left, and a step with under 20 s left is skipped. Each step leaves
+# STEP.log (and its JSON) in OUTDIR and one line in OUTDIR/steps.tsv (step, exit code: 124
+# when its box ran out, "skipped"; seconds); set-up is the line "setup".
+#
+#   SNAKE_SCRATCH    the directory on the drive to offload to (default /tmp/snake_scratch)
+#   SNAKE_GPU_ONLY   "step step...": run only the steps named
+#   SNAKE_GPU_PACK   a directory (the device tool's $OUT): at the end, OUTDIR packed into
+#                    PACK/PART.tgz (traces over 15 MiB left out) and steps.tsv beside it, so
+#                    that what comes back is a few files, not one per step
+#   SNAKE_GPU_DRY=1  the dry run on a machine without a GPU: the same steps on tiny CPU
+#                    sizes, the installs timed into throwaway directories with this
+#                    machine's python3.12 (SNAKE_GPU_DRY_PY312), DeepSpeed's ops not built;
+#                    it times each step's fixed costs (start-up, imports, builds)
+#
+# The time boxes, and what each step should take on an H100, reasoned from the H100 run of
+# 2026-11-23 (docs/benchmarks.md: imports 15 s a process, the 24-layer Megatron step of 16
+# sequences 2.1 s with full recompute, the 95 tests 68 s, the drive 2-3 GB/s) and this
+# machine's dry run (SNAKE_GPU_DRY=1: set-up's install 4-12 s, its imports the rest):
+#   set-up                 install 5 s, env.txt's imports 10-15 s
+#   headline (330)         about 15 s of imports, then rounds of about 70 s (Megatron: build,
+#                          probe, 4 steps a mode; two offloaded builds and 4 steps each) while
+#                          its --time-budget 290 lasts: two rounds and part of a third
+#   headline_trace (140)   imports, a build, a warm-up and the recorded step, the export and
+#                          the analysis: 70-90 s (the NVMe-bound 1B step's took 110 s)
+#   gpu_tests (240)        70-90 s; demo (60) 20 s; bench_schedule (110) 2 cases x 3
+#                          variants x 5 steps of about 2 s: 80 s; bench_zenflow (60) 30 s
+#   zero_install (75)      15 s (its sdist takes 7 s of CPU); zero_ops (150) 60-90 s, both
+#                          ops at once; zero_m16 (160) the aio tuning, three child processes
+#                          (imports 20 s each) and 3 steps a system of under 10 s: about
+#                          120 s; zero_m4_1 (95) M 4 fits, M 1 only if the drive is fast
+#   bench_io (120) 40 s; act_host (100) 40 s; gds_reason (30) 10 s; act_nvme (100) 70 s
+#                          (a step sends 8 GB to the drive)
+#   validate_planner (450) one calibration and 8 runs of 30-55 s: about 330 s
 #
 # On a machine without internet (the lent GPU machines have Python 3.12 and a CUDA build
 # of torch, but no megatron-core, liburing or fio), first run, where there is internet:
-#     bash tools/gpu_carry.sh          # fills .gpu/ (git-ignored, ~8 MiB)
+#     bash tools/gpu_carry.sh          # fills .gpu/ (git-ignored, about 14 MiB)
 # and bring .gpu/ along with the checkout. It holds the megatron-core 0.16.1 wheel (and
 # kvikio's, for GDS), the native I/O engine built for Python 3.12 with liburing linked
-# statically, and a static fio when one was built (the drive's reference; without it
-# bench_io reports its raw O_DIRECT reference only). This script installs them into
-# /tmp/snake_site (nothing outside /tmp changes) and never downloads anything.
+# statically, a static fio (the drive's reference for bench_io) and DeepSpeed's sources.
+# This script installs them into /tmp/snake_site (nothing outside /tmp changes) and never
+# downloads anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${1:?"usage: tools/gpu_check.sh OUTDIR suite|bench|zero|plan|all|setup"}
-PART=${2:-all}
+PARTS="headline suite zero io plan"
+USAGE="usage: tools/gpu_check.sh OUTDIR headline|suite|zero|io|plan|next|setup|all"
+OUTDIR=${1:?$USAGE}
+PART=${2:?$USAGE}
+if [ "$PART" = next ]; then
+    if [ -d .git ] || git rev-parse --git-dir >/dev/null 2>&1; then
+        PART=$(python3 tools/gpu_next_part.py) || exit 1
+    elif [ -s .gpu/next_part ]; then
+        PART=$(cat .gpu/next_part)
+    else
+        echo "gpu_check.sh: next needs git, or .gpu/next_part from tools/gpu_carry.sh" >&2
+        exit 2
+    fi
+    [ "$PART" = none ] && { echo "gpu_check.sh: every part is measured at its code's last change"; exit 0; }
+    echo "=== next: $PART"
+fi
+case "$PART" in
+    setup|headline|suite|zero|io|plan|all) ;;
+    bench) echo "gpu_check.sh: the part bench is now headline (bench_headline.py, the trace)"\
+                "and io (bench_io, bench_activations, GDS); bench_schedule and bench_zenflow"\
+                "are in suite" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: part must be one of $PARTS, setup or all, got $PART" >&2; exit 2 ;;
+esac
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 SCRATCH=${SNAKE_SCRATCH:-/tmp/snake_scratch}
 mkdir -p "$SCRATCH"
 PY=${PYTHON:-python3}
+DRY=${SNAKE_GPU_DRY:-0}
+PART_LIMIT=${SNAKE_GPU_PART_LIMIT:-530}
+PART_T0=0
+SITE=/tmp/snake_site
+[ "$DRY" = 1 ] && SITE=/tmp/snake_dry/site
 # the GPU tests write their reports (the host synchronisations of a steady step) here
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 SNAKE_GPU_REPORT_DIR=$OUTDIR
+export PY OUTDIR SCRATCH SITE DRY
+
+# the dry run's tiny sizes, per tool (empty on a GPU)
+TINY_GPT="--device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --vocab 1024"
+dry() { [ "$DRY" = 1 ] && echo "$@"; }
+# the dry run's Python 3.12, which times the installs of the wheels built for it
+py312() {
+    local py
+    for py in "${SNAKE_GPU_DRY_PY312:-}" python3.12 ~/.pyenv/versions/3.12*/bin/python3.12; do
+        [ -n "$py" ] && "$py" -c "" 2>/dev/null && { echo "$py"; return; }
+    done
+    echo "gpu_check.sh: the dry run needs a python3.12 (SNAKE_GPU_DRY_PY312)" >&2
+    echo false
+}
+export -f py312
+
+has_module() {
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" \
+        2>/dev/null
+}
 
 setup() {
-    export PYTHONPATH=/tmp/snake_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-    if ! "$PY" -c "import megatron.core" 2>/dev/null; then
+    local t0=$SECONDS rc=0
+    export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    if [ "$DRY" = 1 ]; then
+        # time the GPU machine's install with this machine's Python 3.12, into a throwaway
+        # directory (the megatron-core wheel is built for 3.12; this machine's own Python
+        # already has megatron-core)
+        local py312
+        py312=$(py312)
+        rm -rf /tmp/snake_dry && mkdir -p "$SITE"
+        "$py312" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/snake_dry/site312 .gpu/wheels/*.whl 2>&1 \
+            | grep -v "^WARNING" || true
+        # (no torch for that Python here: the installed files are checked, not imported)
+        grep -H "^__version__\|^MAJOR\|^MINOR\|^PATCH" \
+            /tmp/snake_dry/site312/megatron/core/package_info.py || rc=1
+    elif ! has_module megatron.core; then   # (found, not imported: torch takes seconds)
         ls .gpu/wheels/*.whl >/dev/null 2>&1 || {
             echo "gpu_check.sh: megatron-core is missing and .gpu/wheels is empty: run "\
                  "tools/gpu_carry.sh where there is internet" >&2; exit 1; }
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target /tmp/snake_site .gpu/wheels/*.whl 2>&1 | grep -v "^WARNING" || true
-        "$PY" -c "import megatron.core" || exit 1
+            --upgrade --target "$SITE" .gpu/wheels/*.whl 2>&1 | grep -v "^WARNING" || true
+        has_module megatron.core || exit 1
     fi
-    if ! "$PY" -c "import megatron_snake._snake_aio" 2>/dev/null && ls .gpu/native/*.so >/dev/null 2>&1; then
-        cp .gpu/native/*.so megatron_snake/
+    local suffix
+    suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    if [ "$DRY" != 1 ] && [ ! -e "megatron_snake/_snake_aio$suffix" ] &&
+            [ -e ".gpu/native/_snake_aio$suffix" ]; then
+        cp ".gpu/native/_snake_aio$suffix" megatron_snake/
     fi
     [ -x .gpu/bin/fio ] && export PATH=$PWD/.gpu/bin:$PATH
+    local t_install=$((SECONDS - t0))
     {
         date -u; nvidia-smi 2>&1; uname -a; nproc; free -g; df -hT "$SCRATCH"
-        "$PY" -c "import torch, megatron.core, megatron_snake.storage.engine as e; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('megatron-core', megatron.core.__version__); print('native engine', e.native_available())"
+        "$PY" -c "import torch, megatron.core, megatron_snake.storage.engine as e; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'); print('megatron-core', megatron.core.__version__); print('native engine', e.native_available())"
         command -v fio && fio --version
+        [ "$DRY" = 1 ] && echo "DRY RUN: tiny CPU sizes, not a measurement"
     } > "$OUTDIR/env.txt" 2>&1
     printf "step\trc\tseconds\n" >> "$OUTDIR/steps.tsv"
+    printf "setup\t%s\t%s\n" "$rc" "$((SECONDS - t0))" >> "$OUTDIR/steps.tsv"
+    echo "=== setup: exit $rc after $((SECONDS - t0)) s (install $t_install s, env.txt the rest)"
 }
 
 # step NAME SECONDS COMMAND...: run one step under a time box, log to OUTDIR/NAME.log
@@ -59,6 +171,13 @@ step() {
     local name=$1 limit=$2; shift 2
     # SNAKE_GPU_ONLY="bench_io demo": run only these steps (to split the work across calls)
     if [ -n "${SNAKE_GPU_ONLY:-}" ] && [[ " $SNAKE_GPU_ONLY " != *" $name "* ]]; then return; fi
+    local left=$((PART_LIMIT - (SECONDS - PART_T0) - 10))
+    if (( left < 20 )); then
+        printf "%s\tskipped\t0\n" "$name" >> "$OUTDIR/steps.tsv"
+        echo "=== $name: skipped, ${left} s left of the part's ${PART_LIMIT} s"
+        return
+    fi
+    (( limit > left )) && limit=$left
     local t0=$SECONDS
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
@@ -68,45 +187,47 @@ step() {
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
 }
 
-suite() {
-    step gpu_tests 420 "$PY" -m pytest -q -rfEs tests/gpu --junitxml="$OUTDIR/gpu_tests.xml" \
+# --- headline: offloaded vs Megatron, and the trace of one steady step ----------------
+part_headline() {
+    local size
+    size=$(dry $TINY_GPT --rounds 1 --steps 1 --max-micro-batches 2 --time-budget 60)
+    # tokens/s, TFLOP/s per GPU, both ratios and the hidden optimizer share at state 3x and
+    # 10x the memory given; the model sized by the device's memory (bench_headline.py)
+    step headline 330 "$PY" tools/bench_headline.py --dir "$SCRATCH/headline" \
+        --time-budget 290 --json-out "$OUTDIR/headline.json" $size \
+        ${SNAKE_BENCH_HEADLINE_FLAGS:-}
+    # one steady step of the 3x run at its batch: GPU idle %, every gap over 1 ms and what
+    # the host did in it (trace/gaps.json, trace/timeline.png)
+    step headline_trace 140 "$PY" tools/bench_headline.py --dir "$SCRATCH/trace" \
+        --trace-dir "$OUTDIR/trace" --from "$OUTDIR/headline.json" $size \
+        ${SNAKE_BENCH_HEADLINE_FLAGS:-}
+}
+
+# --- suite: tests/gpu and the demo, then two short benchmarks -----------------------------
+part_suite() {
+    step gpu_tests 240 "$PY" -m pytest -q -rfEs tests/gpu --junitxml="$OUTDIR/gpu_tests.xml" \
         -o cache_dir=/tmp/pytest_cache
     # with the timeline of iteration 2 (draw it here: tools/plot_timeline.py)
-    step demo 90 "$PY" examples/pretrain_gpt.py --snake-offload --snake-offload-dir "$SCRATCH" \
+    step demo 60 "$PY" examples/pretrain_gpt.py --snake-offload --snake-offload-dir "$SCRATCH" \
         --train-iters 10 --log-interval 5 --snake-trace "$OUTDIR/demo_trace.json"
-}
-
-bench() {
-    step bench_io 100 "$PY" tools/bench_io.py --dir "$SCRATCH" --size 2GiB --repeat 3 \
-        --engines auto,python --fallback-size 512MiB --json-out "$OUTDIR/bench_io.json"
-    step bench_schedule 110 "$PY" tools/bench_schedule.py --preset gpu-1b --bf16 --steps 4 \
-        --warmup 1 --json-out "$OUTDIR/bench_schedule.json"
-    # state 3x the 10% of GPU memory given; weights and optimizer state in pinned host memory
-    step bench_step 200 "$PY" tools/bench_step.py --dir "$SCRATCH" --micro-batches 4 \
-        --steps 1 --warmup 1 --gpu-hidden 2048 --gpu-micro-batches 16 \
-        --json-out "$OUTDIR/bench_step.json" \
-        --gpu-snake-flags "--snake-param-tier host --snake-optimizer-tier host \
-        --snake-host-memory-limit 40GiB" ${SNAKE_BENCH_STEP_FLAGS:-}
-    # issue 13's GPU figure: state 10x the 3% of GPU memory given (the model is built
-    # layer by layer into the store, so it never has to fit on the device)
-    step bench_step_10x 240 "$PY" tools/bench_step.py --dir "$SCRATCH" --micro-batches 2 \
-        --steps 1 --warmup 1 --gpu-hidden 2048 --gpu-micro-batches 16 --gpu-fraction 0.03 \
-        --gpu-state-ratio 10 --json-out "$OUTDIR/bench_step_10x.json" \
-        --gpu-snake-flags "--snake-param-tier host --snake-optimizer-tier host \
-        --snake-host-memory-limit 40GiB"
-    step bench_activations 100 "$PY" tools/bench_activations.py --dir "$SCRATCH" --layers 8 \
-        --hidden 2048 --heads 16 --seqs 2048 --micro-batch-sizes 1,2,4 --micro-batches 2 \
-        --steps 3 --warmup 1 --bf16 --json-out "$OUTDIR/bench_activations.json"
-    step bench_zenflow 60 "$PY" tools/bench_zenflow.py --bf16 --steps 12 --warmup 4 \
+    # the vertical schedule vs Megatron with full recompute, no optimizer (H100: 0.983)
+    step bench_schedule 110 "$PY" tools/bench_schedule.py \
+        $( [ "$DRY" = 1 ] && echo "--preset cpu-small --device cpu --steps 1 --warmup 0" ||
+           echo "--preset gpu-1b --bf16 --steps 4 --warmup 1" ) \
+        --json-out "$OUTDIR/bench_schedule.json"
+    step bench_zenflow 60 "$PY" tools/bench_zenflow.py \
+        $( [ "$DRY" = 1 ] &&
+           echo "--device cpu --layers 2 --hidden 64 --seq 64 --vocab 1024 --steps 1 --warmup 1" ||
+           echo "--bf16 --steps 12 --warmup 4" ) \
         --json-out "$OUTDIR/bench_zenflow.json" ${SNAKE_BENCH_ZENFLOW_FLAGS:-}
-    step gpu_trace 200 "$PY" tools/gpu_trace.py --dir "$SCRATCH" --warmup 1 --out-dir "$OUTDIR/trace"
 }
 
-# DeepSpeed from .gpu/deepspeed (tools/gpu_carry.sh): its source distribution and the
-# wheels the image lacks into /tmp/snake_site, libaio's packages unpacked under
-# /tmp/snake_libaio (its headers and library for the async_io op), the ops built into
-# /tmp/snake_ext once (about a minute each on 16 cores)
-deepspeed_setup() {
+# --- zero: side by side with ZeRO-Infinity ----------------------------------------------
+# DeepSpeed from .gpu/deepspeed (tools/gpu_carry.sh): libaio's packages unpacked under
+# /tmp/snake_libaio (its headers and library for the async_io op) and the build's
+# environment, here in this shell; its source distribution and the wheels the image lacks
+# installed into /tmp/snake_site (a step); the ops built into /tmp/snake_ext (a step)
+deepspeed_env() {
     local aio=/tmp/snake_libaio
     mkdir -p "$aio"
     for deb in .gpu/deepspeed/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" "$aio"; done
@@ -119,55 +240,168 @@ deepspeed_setup() {
     cuda_home=$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
     export LIBRARY_PATH=$lib:$cuda_home/lib64/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
     export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    export TORCH_EXTENSIONS_DIR=/tmp/snake_ext DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
+    export TORCH_EXTENSIONS_DIR=/tmp/snake_ext DS_SKIP_CUDA_CHECK=1
+    export DS_ACCELERATOR=$( [ "$DRY" = 1 ] && echo cpu || echo cuda )
     export MAX_JOBS=$(nproc)
-    if ! "$PY" -c "import deepspeed" 2>/dev/null; then
-        ls .gpu/deepspeed/deepspeed-*.tar.gz >/dev/null 2>&1 || {
-            echo "gpu_check.sh: deepspeed is missing and .gpu/deepspeed is empty: run "\
-                 "tools/gpu_carry.sh where there is internet" >&2; return 1; }
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/snake_site .gpu/deepspeed/*.whl 2>&1 | grep -v "^WARNING"
-        DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
-            --no-cache-dir --target /tmp/snake_site .gpu/deepspeed/deepspeed-*.tar.gz 2>&1 \
-            | grep -v "^WARNING"
+}
+
+deepspeed_install() {
+    has_module deepspeed && { echo "deepspeed already installed"; return 0; }
+    ls .gpu/deepspeed/deepspeed-*.tar.gz >/dev/null 2>&1 || {
+        echo "gpu_check.sh: deepspeed is missing and .gpu/deepspeed is empty: run "\
+             "tools/gpu_carry.sh where there is internet" >&2; return 1; }
+    local py=$PY wheels=$SITE
+    if [ "$DRY" = 1 ]; then   # the wheels are for 3.12: timed with it, apart
+        py=$(py312)
+        wheels=/tmp/snake_dry/ds312
     fi
-    "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" >> "$OUTDIR/env.txt" 2>&1
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$wheels" .gpu/deepspeed/*.whl 2>&1 | grep -v "^WARNING"
+    DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-cache-dir --target "$SITE" .gpu/deepspeed/deepspeed-*.tar.gz 2>&1 \
+        | grep -v "^WARNING"
+    "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" ||
+        [ "$DRY" = 1 ]   # this machine lacks some of the image's packages (msgpack, ...)
 }
 
-zero() {
-    # two steps of up to 9 minutes: within one call's 10, run them apart on a machine kept
-    # warm (the ops stay in /tmp/snake_ext): SNAKE_GPU_ONLY=zero_ops, then
-    # SNAKE_GPU_ONLY=bench_zero_infinity
-    deepspeed_setup || return 1
-    step zero_ops 540 "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder, \
-CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('ops built')"
-    # about 470M parameters in bf16 (8 layers, hidden 2048, 2048-token sequences), every
-    # state of both on the drive; the CPU runs' tables are in docs/benchmarks.md
-    step bench_zero_infinity 540 "$PY" tools/bench_vs_zero_infinity.py --device cuda --bf16 \
-        --dir "$SCRATCH" --layers 8 --hidden 2048 --heads 16 --seq 2048 --micro-batch 1 \
-        --micro-batches 1 4 16 --steps 2 --warmup 1 \
-        --json-out "$OUTDIR/bench_zero_infinity.json" ${SNAKE_BENCH_ZERO_FLAGS:-}
+# both ops at once (each is a few translation units: one process cannot use 16 cores)
+deepspeed_ops() {
+    if [ "$DRY" = 1 ]; then
+        echo "dry run: DeepSpeed's ops not built (2 cores here: cpu_adam 1-1.5 min, async_io 4-10 min)"
+        return 0
+    fi
+    local rc=0 pid
+    "$PY" -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(); print('async_io built')" &
+    pid=$!
+    "$PY" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam built')" || rc=1
+    wait "$pid" || rc=1
+    return $rc
+}
+export -f has_module deepspeed_install deepspeed_ops
+
+# DeepSpeed's aio block size and queue depth the M 16 run tuned (empty if none)
+zero_aio() {
+    "$PY" -c "import json, sys; a = json.load(open(sys.argv[1]))['args']['aio']; \
+print('--aio', f'{a[0]},{a[1]}')" "$OUTDIR/zero_m16.json" 2>/dev/null
 }
 
-plan() {
+part_zero() {
+    deepspeed_env
+    step zero_install 75 bash -c deepspeed_install
+    step zero_ops 150 bash -c deepspeed_ops
+    grep -h "^deepspeed " "$OUTDIR/zero_install.log" >> "$OUTDIR/env.txt" 2>/dev/null
+    # about 280M parameters in bf16 (8 layers, hidden 1536, 2048-token sequences), every
+    # state of both on the drive: at M 16 ZeRO-Infinity reads its weights 32 times a step
+    # (about 18 GB, under 10 s at 2-3 GB/s), ours twice. Sized so that its 2 x 3 steps, a
+    # child process each, fit the box; the CPU runs' tables are in docs/benchmarks.md
+    local size="--device cuda --bf16 --layers 8 --hidden 1536 --heads 12 --seq 2048 --micro-batch 1"
+    local -a bench=("$PY" tools/bench_vs_zero_infinity.py $size --dir "$SCRATCH/zero" --steps 2
+                    --warmup 1 ${SNAKE_BENCH_ZERO_FLAGS:-})
+    if [ "$DRY" = 1 ]; then   # no DeepSpeed ops here: a child's fixed cost (start, imports, build)
+        mkdir -p "$SCRATCH/zero_initial"
+        bench=("$PY" tools/bench_vs_zero_infinity.py --worker initial
+               --work "$SCRATCH/zero_initial" $TINY_GPT --micro-batch 1)
+    fi
+    step zero_m16 160 "${bench[@]}" --micro-batches 16 --json-out "$OUTDIR/zero_m16.json"
+    # M 4 then 1 while the box lasts (its JSON is written after every run)
+    step zero_m4_1 95 "${bench[@]}" --micro-batches 4 1 $(zero_aio) \
+        --json-out "$OUTDIR/zero_m4_1.json"
+}
+
+# --- io: the store, the pinned pool, activation offload, GDS -----------------------------
+part_io() {
+    # the store vs fio (io_uring, O_DIRECT) alternating; then, on the GPU, the pinned pool vs
+    # a plain pinned copy_, GPU<->NVMe through the store and the store's GDS attempt
+    step bench_io 120 "$PY" tools/bench_io.py --dir "$SCRATCH" \
+        $( [ "$DRY" = 1 ] && echo "--size 64MiB --repeat 1 --fallback-size 64MiB" ||
+           echo "--size 2GiB --repeat 3 --fallback-size 512MiB" ) \
+        --engines auto,python --json-out "$OUTDIR/bench_io.json"
+    # activation offload on Megatron's schedule to host memory: peak and step time
+    local act="--layers 8 --hidden 2048 --heads 16 --seqs 2048 --micro-batches 2 --steps 3 --warmup 1 --bf16"
+    local pool=$((24 << 30))   # host memory for a micro-batch's saved tensors (8 GB at mbs 2)
+    if [ "$DRY" = 1 ]; then
+        act="--device cpu --layers 2 --hidden 64 --heads 4 --seqs 64 --micro-batches 2 --steps 1 --warmup 1"
+        pool=$((1 << 30))
+    fi
+    step act_host 100 "$PY" tools/bench_activations.py --dir "$SCRATCH/act" $act \
+        --tier host --micro-batch-sizes 1,2 --host-memory $pool \
+        --json-out "$OUTDIR/act_host.json"
+    # kvikio's own words on GDS: its compat mode, the cuFile driver opened through it, and a
+    # cuFile write with compat mode OFF (kvikio raises why it cannot)
+    step gds_reason 30 "$PY" - <<'EOF'
+import json, os, subprocess, sys
+out = {}
+try:
+    import kvikio
+    import kvikio.defaults
+except Exception as exc:  # noqa: BLE001
+    out["import"] = f"{type(exc).__name__}: {exc}"
+else:
+    out["kvikio"] = getattr(kvikio, "__version__", "?")
+    for name in ("compat_mode", "is_compat_mode_preferred"):
+        fn = getattr(kvikio.defaults, name, None)
+        try:
+            out[name] = "absent" if fn is None else str(fn())
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        from kvikio import cufile_driver
+        cufile_driver.driver_open()
+        out["driver_open"] = "ok"
+        props = getattr(cufile_driver, "properties", None) or cufile_driver.DriverProperties()
+        out["driver_properties"] = {k: str(getattr(props, k)) for k in dir(props)
+                                    if not k.startswith("_") and not callable(getattr(props, k))}
+    except Exception as exc:  # noqa: BLE001
+        out["driver_open"] = f"{type(exc).__name__}: {exc}"
+    path = os.path.join(os.environ.get("SCRATCH", "/tmp"), "gds_probe.bin")
+    code = ("import kvikio, torch; x = torch.ones(1 << 20, dtype=torch.uint8, device='cuda'); "
+            f"f = kvikio.CuFile({path!r}, 'w'); n = f.write(x); f.close(); "
+            "print('cuFile write with compat mode OFF:', n, 'bytes')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=20, env=dict(os.environ, KVIKIO_COMPAT_MODE="OFF"))
+    out["write_with_compat_mode_off"] = (r.stdout + r.stderr).strip()[-2000:]
+    if os.path.exists(path):
+        os.unlink(path)
+with open(os.path.join(os.environ["OUTDIR"], "gds_reason.json"), "w") as f:
+    json.dump(out, f, indent=1)
+print(json.dumps(out, indent=1))
+EOF
+    step act_nvme 100 "$PY" tools/bench_activations.py --dir "$SCRATCH/act" $act \
+        --tier nvme --micro-batch-sizes 1 --json-out "$OUTDIR/act_nvme.json"
+}
+
+# --- plan: the cost model against measured GPU steps -------------------------------------
+part_plan() {
     # the one-rank configurations (one GPU) at a GPU's shape: hidden 2048, 2048-token
-    # sequences, bf16, every state on the drive but where a configuration says otherwise
-    step validate_planner 560 "$PY" tools/validate_planner.py --device cuda --bf16 \
-        --dir "$SCRATCH" --hidden 2048 --seq 2048 --host-memory 16GiB --rounds 1 \
-        --warmup 2 --iters 3 --json-out "$OUTDIR/validate_planner.json" \
+    # sequences, bf16, every state on the drive but where a configuration says otherwise;
+    # one calibration for the round (a process each: 8 runs of about 30 s)
+    mkdir -p "$SCRATCH/plan"
+    step validate_planner 450 "$PY" tools/validate_planner.py --dir "$SCRATCH/plan" \
+        $( [ "$DRY" = 1 ] && echo "--device cpu --hidden 64 --seq 64 --host-memory 1GiB --warmup 1 --iters 1" ||
+           echo "--device cuda --bf16 --hidden 2048 --seq 2048 --host-memory 16GiB --warmup 2 --iters 3" ) \
+        --rounds 1 --calibrate round --json-out "$OUTDIR/validate_planner.json" \
         --png "$OUTDIR/validate_planner.png"
+}
+
+# SNAKE_GPU_PACK: OUTDIR as PACK/PART.tgz (traces over 15 MiB left out) and steps.tsv
+pack() {
+    local dest=${SNAKE_GPU_PACK:-}
+    [ -n "$dest" ] || return 0
+    mkdir -p "$dest"
+    local big
+    big=$(cd "$OUTDIR" && find . -type f -size +15728640c | sed 's|^\./||')
+    [ -n "$big" ] && echo "=== pack: left out (over 15 MiB): $big"
+    (cd "$OUTDIR" && find . -type f -size -15728641c -print0 | tar czf "$dest/$PART.tgz" --null -T -)
+    cp "$OUTDIR/steps.tsv" "$dest/$PART-steps.tsv"
+    echo "=== packed into $dest/$PART.tgz ($(du -h "$dest/$PART.tgz" | cut -f1))"
 }
 
 setup
 case "$PART" in
     setup) ;;     # install only (env.txt); for running single steps by hand
-    suite) suite ;;
-    bench) bench ;;
-    zero) zero ;;
-    plan) plan ;;
-    all) suite; bench; zero; plan ;;
-    *) echo "gpu_check.sh: part must be suite, bench, zero, plan or all, got $PART" >&2
-       exit 2 ;;
+    all) for p in $PARTS; do PART_T0=$SECONDS; "part_$p"; done ;;
+    *) "part_$PART" ;;
 esac
 echo "=== steps (rc 124: hit its time box)"
 cat "$OUTDIR/steps.tsv"
+pack
