@@ -827,7 +827,6 @@ REFUSED_GIVEN = {
     "--tp-comm-overlap": {"tp_comm_overlap": True},
     "--optimizer": {"optimizer": "sgd"},
     "--optimizer-cpu-offload": {"optimizer_cpu_offload": True},
-    "--use-precision-aware-optimizer": {"use_precision_aware_optimizer": True},
     "--decoupled-lr": {"decoupled_lr": 1e-4},
     "--calculate-per-token-loss": {"calculate_per_token_loss": True},
     "--rampup-batch-size": {"rampup_batch_size": ["4", "4", "100"]},

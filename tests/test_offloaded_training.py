@@ -190,14 +190,14 @@ def _weights_from_nvme_per_step(model, batches, offload_dir, pinned):
         opt = OffloadedAdamW(params, tstore, lr=LR, weight_decay=WD, alpha=0.25)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
                                  dtype=torch.float32, pinned=pinned)
-        reads, units_read, read_nvme = [], [], tstore._read_nvme
+        reads, units_read, read_nvme = [], [], tstore._drive.read_bytes
 
         def spy(e, *args, **kwargs):
             if e.key[0] == "w":
                 units_read[-1].add(e.key[1])
             return read_nvme(e, *args, **kwargs)
 
-        tstore._read_nvme = spy
+        tstore._drive.read_bytes = spy
         for mbs in batches:
             units_read.append(set())
             before = tstore.counters.by_kind["weights"]["nvme"][0]

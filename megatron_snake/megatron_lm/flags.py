@@ -15,8 +15,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_snake.optim.precision import check_precision_args
 from megatron_snake.training.arguments import OneLineParser
-from megatron_snake.training.snake_args import (add_snake_args, fail,
+from megatron_snake.training.snake_args import (add_snake_args, check_rule, fail,
                                                 refuse_flags_snake_auto_chooses,
                                                 validate_snake_args)
 
@@ -88,8 +89,6 @@ REFUSED = (
     Refused("--optimizer-cpu-offload", _on("optimizer_cpu_offload"), "--snake-offload "
             "already keeps the optimizer state off the GPU (--snake-optimizer-tier): drop "
             "--optimizer-cpu-offload"),
-    Refused("--use-precision-aware-optimizer", _on("use_precision_aware_optimizer"),
-            "the offloaded AdamW keeps fp32 master weights and moments; drop the flag"),
     Refused("--decoupled-lr", lambda a: _get(a, "decoupled_lr") is not None,
             "the offloaded AdamW has one learning rate for every parameter"),
     Refused("--calculate-per-token-loss", _on("calculate_per_token_loss"), "the offloaded "
@@ -171,6 +170,13 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
             fail(parser, "--transformer-impl", "transformer_engine (Megatron-LM's default) "
                  "needs a GPU and Transformer Engine; pass --transformer-impl local on a "
                  "machine without one")
+    if _get(args, "use_precision_aware_optimizer"):
+        # Megatron-LM's flags, read by the offloaded AdamW (optim/precision.py) instead of
+        # Transformer Engine's FusedAdam: the same rules, the dtypes Megatron-LM mapped
+        check_rule(parser, check_precision_args, args)
+        notes.append("> --use-precision-aware-optimizer with --snake-offload: the offloaded "
+                     "AdamW stores each state in the dtype asked for and computes in fp32 "
+                     "on the CPU (no Transformer Engine needed; docs/precision.md)")
     _derive(args)
     refuse_flags_snake_auto_chooses(args, parser, argv)
     validate_snake_args(args, parser)
@@ -182,7 +188,7 @@ def _derive(args: argparse.Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     args.num_microbatches = args.global_batch_size // per_step   # Megatron-LM checked it
     args.disable_bias_linear = not args.add_bias_linear
-    if not args.group_query_attention:
+    if not _get(args, "group_query_attention"):
         # Megatron-LM's --num-query-groups defaults to 1 and counts only with
         # --group-query-attention (the model then has one key/value group per head, and
         # Megatron-LM's own FLOPs count sets it so); the pre-flight and the planner read it.

@@ -20,6 +20,7 @@ import torch
 
 from megatron_snake.optim.adamw import STATES
 from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
+from megatron_snake.optim.precision import REMAINDER, split_flat
 from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import UnitStore
 
@@ -52,20 +53,47 @@ class OffloadedUnits(UnitStore):
         # the layouts in the order the forward sweep updates them
         self._update_order = [lay.key for unit in range(len(unit_params.units))
                               for lay in unit_params.layouts_owned_by(unit)]
+        # master-weight remainders: a working weight is its master's high half, Transformer
+        # Engine's split (round to nearest, ties away from zero), not torch's cast
+        self.remainders = optimizer.precision.remainders
         previous: list = []
         for lay in unit_params.units:
-            flat = initial.flat(lay, dtype=dtype) if initial is not None else \
-                lay.gather(dtype=dtype)
+            flat = self._initial_flat(lay, initial)
             writes = [store.put(("w", lay.key, part), flat[lo:hi], tier=self.tier_of(lay.key),
                                 kind="weights") for part, (lo, hi) in self.record_parts(lay)]
             self._release_weights(lay)
             for write in previous:   # at most two units' values in memory at once
                 write.wait()
             previous = writes
+        if self.remainders and unit_params.shared.segments:
+            # the shared weights stay resident; the optimizer reads their records too
+            lay = unit_params.shared
+            flat = self._initial_flat(lay, initial)
+            for seg, view in zip(lay.segments, lay.views(flat)):
+                seg.param.data.copy_(view.to(seg.param.device))
+            self._put_shared_records(flat)
         for lay in unit_params.all_layouts():
             for seg in lay.segments:
                 seg.param.register_post_accumulate_grad_hook(self._accumulate)
         store.synchronize()
+
+    def _initial_flat(self, lay, initial) -> torch.Tensor:
+        """A layout's first working weights, in the working dtype (under remainders, the
+        high halves of the fp32 masters the optimizer took)."""
+        dtype = torch.float32 if self.remainders else self.dtype
+        flat = initial.flat(lay, dtype=dtype) if initial is not None else \
+            lay.gather(dtype=dtype)
+        return split_flat(flat)[0] if self.remainders else flat
+
+    def _put_shared_records(self, flat: torch.Tensor) -> None:
+        """This rank's working-weight records of the shared layout from its whole flat
+        (the optimizer reads them under remainders; its updates replace them)."""
+        lay = self.params.shared
+        handles = [self.store.put(("w", lay.key, part), flat[lo:hi].to("cpu", self.dtype),
+                                  tier=self.tier_of(lay.key), kind="weights")
+                   for part, (lo, hi) in self.record_parts(lay)]
+        for handle in handles:
+            handle.wait()
 
     # --- gradients -----------------------------------------------------------------------
     def _accumulate(self, param: torch.nn.Parameter) -> None:
@@ -195,7 +223,9 @@ class OffloadedUnits(UnitStore):
         # them down: the drive writes them once a step and never reads them back, and the
         # backward sweep's reads do not queue behind a write that waits for the forward
         # sweep's updated state. The backward read drops them (the pool is bounded).
-        if self.tier_of(unit) == "nvme" and for_backward:
+        # Under remainders they stay (the next update reads them: they are its masters'
+        # high halves), where the pool had room for them.
+        if self.tier_of(unit) == "nvme" and for_backward and not self.remainders:
             for part in PARTS:
                 if ("w", unit, part) in self.store:
                     self.store.evict(("w", unit, part), tier="nvme")
@@ -332,20 +362,51 @@ class OffloadedUnits(UnitStore):
         """Put ``unit_state(key)``'s entry back: the unit's working weights into the store
         and, with ``optimizer``, the master weights and moments; returns when the store has
         copied them (``state`` may be dropped then). An entry that is not this rank's
-        shard of this layout, record for record, raises ``SavedUnitMismatch``."""
+        shard of this layout, record for record, raises ``SavedUnitMismatch``. Master
+        weights saved in another form than this run stores (fp32, or int16 remainders of
+        the saved bf16 weights) are converted exactly (``OffloadedAdamW.native_master``);
+        under remainders the working weights become the split's high halves."""
+        self._put_saved_layout(key, state, optimizer)
+
+    def load_shared_optimizer_state(self, state: dict) -> None:
+        """``load_unit_state`` of the shared layout's optimizer state (its weights are
+        resident: loaded into the module before this)."""
+        self._put_saved_layout(SHARED, state, True)
+
+    def _put_saved_layout(self, key, state: dict, optimizer: bool) -> None:
         self._check_saved_unit(key, state, optimizer)
         lay = self._layout(key)
         start, end, _ = self.dp.shard(lay.numel)
+        flat = state["weights"] if key != SHARED else self._resident_shard(lay, start, end)
+        if optimizer:
+            master, new = self.optimizer.native_master(state["master"], flat)
+            state = dict(state, master=master)
+            flat = new if new is not None else flat
         handles = []
         if key != SHARED:
-            flat = state["weights"]
             handles += [self.store.put(("w", key, part), flat[lo - start:hi - start],
                                        tier=self.tier_of(key), kind="weights")
                         for part, (lo, hi) in self.record_parts(lay)]
+        elif optimizer and self.remainders:
+            # the optimizer reads these records (the masters' high halves); the resident
+            # parameters take them at the next read, alike on every rank (a collective)
+            handles += [self.store.put(("w", key, part), flat[lo - start:hi - start]
+                                       .to("cpu", self.dtype).contiguous(),
+                                       tier=self.tier_of(key), kind="weights")
+                        for part, (lo, hi) in self.record_parts(lay)]
+            self._shared_stale = True
         if optimizer:
             handles += self.optimizer.load_layout_state(key, state)
         for handle in handles:
             handle.wait()
+
+    @staticmethod
+    def _resident_shard(lay, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of a resident layout's parameters, flat, on the CPU."""
+        parts = [seg.param.detach().reshape(-1)[span.start - seg.offset:span.stop - seg.offset]
+                 .cpu() for seg, span in lay.pieces(start, end)]
+        dtype = lay.segments[0].param.dtype if lay.segments else torch.float32
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
 
     def _check_saved_unit(self, key, state: dict, optimizer: bool) -> None:
         """The layout's size, this rank's element range and the parameters saved must be
@@ -363,9 +424,13 @@ class OffloadedUnits(UnitStore):
                 f"{state.get('numel')!r} saved, {[start, end]} of {lay.numel} here; "
                 f"parameters {[s[:2] for s in listed if s not in mine][:4]} saved, "
                 f"{[s[:2] for s in mine if s not in listed][:4]} here)")
-        records = {name: torch.float32 for name in STATES}
+        # a checkpoint's optimizer states are fp32 (Megatron's), the master's may be the
+        # int16 remainders of bf16 weights (the precision-aware optimizer's)
+        records = {name: (torch.float32,) for name in STATES}
+        if self.dtype == torch.bfloat16:
+            records["master"] += (REMAINDER,)
         if key != SHARED:
-            records["weights"] = self.dtype
+            records["weights"] = (self.dtype,)
         needed = {"weights"} | (set(STATES) if optimizer else set())
         for name, value in state.items():
             if name in ("numel", "shard", "segments"):
@@ -373,13 +438,14 @@ class OffloadedUnits(UnitStore):
             if name not in records:
                 raise SavedUnitMismatch(f"unit {key} holds a record {name!r} that no save "
                                         "writes")
-            if not (torch.is_tensor(value) and value.dtype == records[name] and
+            if not (torch.is_tensor(value) and value.dtype in records[name] and
                     tuple(value.shape) == (end - start,)):
                 shown = (f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
                          if torch.is_tensor(value) else type(value).__name__)
+                allowed = " or ".join(str(d).removeprefix("torch.") for d in records[name])
                 raise SavedUnitMismatch(
                     f"unit {key}'s record {name!r} is {shown}, where this run's is "
-                    f"{str(records[name]).removeprefix('torch.')} [{end - start}]")
+                    f"{allowed} [{end - start}]")
         missing = sorted(n for n in needed & set(records) if n not in state)
         if missing:
             raise SavedUnitMismatch(f"unit {key} lacks the record(s) {missing}"
@@ -425,8 +491,10 @@ class OffloadedUnits(UnitStore):
         for lay in self.params.units:
             self.optimizer.set_master_weights(lay.key, self._read_flat(lay))
         if self.params.shared.segments:
-            self.optimizer.set_master_weights(self.params.shared.key,
-                                              self.params.shared.gather())
+            flat = self.params.shared.gather()
+            self.optimizer.set_master_weights(self.params.shared.key, flat)
+            if self.remainders:   # the records the optimizer reads: the loaded weights
+                self._put_shared_records(flat)
         self.store.synchronize()
 
     def load_all(self) -> None:

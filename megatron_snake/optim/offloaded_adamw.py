@@ -19,10 +19,19 @@ bridge), and the alpha split is moved onto a line, so every bit equals the per-p
 reference (docs/design.md, invariant 1). Weight decay follows Megatron
 (none on biases and 1-D parameters); ``param_groups`` lets Megatron's
 OptimizerParamScheduler set lr and wd.
+
+With Megatron-Core's precision-aware optimizer (``precision``: ``optim/precision.py``) each
+state is stored and moved in its own dtype (the master weights as bf16-weight remainders, in
+fp16, or fp32; the moments in fp32, bf16, fp16 or fp8; the gradient in fp32 or bf16). The
+update then loads a chunk of each state into fp32 scratch buffers, runs the same fused AdamW
+kernel on them, parameter piece by parameter piece (cut at 16-element lines, so every bit is
+the kernel's on the whole piece), and rounds the results back to their dtypes by Transformer
+Engine's rules. With every state in fp32 it runs on the stored bytes in place, as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -40,6 +49,9 @@ import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
+from megatron_snake.optim.precision import (E4M3, FP8, REMAINDER, SCALED, Precision, dequantize,
+                                            join_flat, join_master, quantize, scale_for,
+                                            split_flat, split_master)
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
@@ -50,6 +62,10 @@ PARTS = ("bwd", "fwd")
 # end, so a cut that takes a parameter off its 16-element lines is avoided (the alpha
 # split) or bridged (a host buffer's edge).
 LANE_ELEMENTS = 16
+# Elements per fp32 scratch batch of the chunked (precision-aware) update: a multiple of
+# LANE_ELEMENTS, so a piece cut into chunks is rounded as the whole piece; four fp32 buffers
+# of it (1 MiB each) stay in the core's cache.
+CHUNK_ELEMENTS = 1 << 16
 
 
 def part_bounds(lay: FlatLayout, alpha: float, dp: DataParallel = DataParallel()):
@@ -133,19 +149,64 @@ def _return_bridges(bridges) -> None:
             view.copy_(bridge[piece])
 
 
+class _Flat:
+    """Element access to a record lent as 1-D pieces (cut where its host buffers end: records
+    of other dtypes are cut at other elements). fp8 records are uint8 bytes read as E4M3."""
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self.pieces = [p for p in pieces if p.numel()]
+        self.starts = list(itertools.accumulate([0] + [p.numel() for p in self.pieces]))
+
+    def spans(self, a: int, b: int):
+        """(view of a piece, its offset from ``a``) covering elements [a, b)."""
+        i = bisect.bisect_right(self.starts, a) - 1
+        pos = a
+        while pos < b:
+            piece, start = self.pieces[i], self.starts[i]
+            end = min(b, start + piece.numel())
+            yield piece[pos - start:end - start], pos - a
+            pos, i = end, i + 1
+
+    def view(self, a: int, b: int) -> torch.Tensor | None:
+        """Elements [a, b) as one view, when one piece holds them."""
+        spans = list(self.spans(a, b))
+        return spans[0][0] if len(spans) == 1 else None
+
+    def read(self, a: int, b: int, out: torch.Tensor, fp8: bool = False) -> None:
+        """Elements [a, b) into ``out``, converted to its dtype."""
+        for view, off in self.spans(a, b):
+            out[off:off + view.numel()].copy_(view.view(E4M3) if fp8 else view)
+
+    def write(self, a: int, b: int, src: torch.Tensor) -> None:
+        """``src`` (the record's dtype) into elements [a, b)."""
+        for view, off in self.spans(a, b):
+            view.copy_(src[off:off + view.numel()])
+
+
 class OffloadedAdamW(HostAdamW):
     def __init__(self, unit_params: UnitParams, store, *, lr: float, weight_decay: float,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
-                 model_parallel_group=None, embedding_group=None, initial=None):
+                 model_parallel_group=None, embedding_group=None, initial=None,
+                 precision: Precision | None = None, weight_records: bool = True):
         """``initial``: where the parameters' values are when they are not in memory
         (``offload.initial_weights.InitialWeights``); by default they are read from the
-        parameters."""
+        parameters. ``precision``: the dtype each state is stored in (default: every one
+        fp32). With master-weight remainders the master's high half is the working-weight
+        record ``("w", key, part)``: the update reads it and replaces it (``on_weights``, or
+        itself without one); ``weight_records``: write every layout's first one here
+        (``OffloadedUnits`` writes them itself)."""
         check_alpha(alpha)
         check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
         self.store, self.tier = store, tier
+        self.precision = precision or Precision()
+        # (state, key, part) -> the multiplier of each parameter piece of a scaled record
+        # (fp16, fp8): Transformer Engine's per-tensor scale
+        self._scales: dict = {}
+        self._piece_cache: dict = {}
+        self._scratch: dict | None = None   # the chunked update's fp32 buffers (worker)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.clip_grad, self.alpha, self.dp = clip_grad, alpha, dp
         # Under TP / PP the norm and the overflow flag are reduced over the model-parallel
@@ -201,24 +262,88 @@ class OffloadedAdamW(HostAdamW):
                 lay.gather(device="cpu", dtype=torch.float32)  # the full flat
             writes = []
             for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
-                zeros = torch.zeros(hi - lo, dtype=torch.float32)
-                writes += [self.store.put(("master", key, part), master[lo:hi], tier=tier,
-                                          kind="optim"),
-                           self.store.put(("exp_avg", key, part), zeros, tier=tier, kind="optim"),
-                           self.store.put(("exp_avg_sq", key, part), zeros, tier=tier,
-                                          kind="optim")]
+                writes += self._initial_writes(key, part, master[lo:hi], weight_records)
             for write in previous:   # at most two layouts' values in memory at once
                 write.wait()
             previous = writes
         self.store.synchronize()
+
+    def _initial_writes(self, key, part: str, master: torch.Tensor,
+                        weight_records: bool) -> list:
+        """A fresh part's records: its master weights (fp32 here) in their stored form and
+        zero moments (Transformer Engine starts a scaled state at zero with scale 1)."""
+        p, n = self.precision, master.numel()
+        writes = []
+        if p.remainders:
+            hi, rem = split_flat(master)
+            writes.append(self.store.put(("master", key, part), rem, tier=self.tier,
+                                         kind="optim"))
+            if weight_records:
+                writes.append(self.store.put(("w", key, part), hi, tier=self.tier,
+                                             kind="weights"))
+        else:
+            writes.append(self.store.put(("master", key, part),
+                                         self._encode("master", key, part, master),
+                                         tier=self.tier, kind="optim"))
+        for name in ("exp_avg", "exp_avg_sq"):
+            dtype = p.dtype(name)
+            if dtype in SCALED:
+                self._scales[(name, key, part)] = [1.0] * len(self._pieces(key, part))
+            writes.append(self.store.put((name, key, part), torch.zeros(n, dtype=dtype),
+                                         tier=self.tier, kind="optim"))
+        return writes
+
+    def _pieces(self, key, part: str) -> list[tuple[int, int, bool]]:
+        """(start, stop, decay) of each parameter's piece of a part, from the part's start:
+        what a scale spans and how the chunked update cuts its work."""
+        cached = self._piece_cache.get((key, part))
+        if cached is None:
+            lay = self.layouts[key]
+            lo, hi = self._bounds(lay)[PARTS.index(part)]
+            cached = [(s.start - lo, s.stop - lo, seg.decay) for seg, s in lay.pieces(lo, hi)]
+            self._piece_cache[(key, part)] = cached
+        return cached
+
+    def _encode(self, name: str, key, part: str, values: torch.Tensor) -> torch.Tensor:
+        """A state's values of one part (fp32; a master under remainders: its int16
+        remainders) as it is stored, with the scales of a scaled dtype recorded."""
+        dtype = self.precision.dtype(name)
+        if dtype == REMAINDER:
+            if values.dtype != REMAINDER:
+                raise ValueError(f"{name} of {key} {part}: remainders expected, got "
+                                 f"{values.dtype}")
+            return values.contiguous()
+        if dtype not in SCALED:
+            return values.to(dtype=dtype, copy=True).contiguous()
+        x = values.to(dtype=torch.float32, copy=True).reshape(-1)
+        out = torch.empty(x.numel(), dtype=dtype)
+        self._scales[(name, key, part)] = [quantize(x[a:b], dtype, out[a:b])
+                                           for a, b, _ in self._pieces(key, part)]
+        return out
+
+    def _decode(self, name: str, key, part: str, stored: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """A part's stored state (not remainders) as fp32 values into ``out``."""
+        dtype = self.precision.dtype(name)
+        if dtype not in SCALED:
+            out.copy_(stored)
+            return
+        for (a, b, _), scale in zip(self._pieces(key, part), self._scales[(name, key, part)]):
+            dequantize(stored[a:b], dtype, scale, out[a:b])
 
     # --- layout ----------------------------------------------------------------------
     def _bounds(self, lay: FlatLayout):
         return part_bounds(lay, self.alpha, self.dp)
 
     def state_bytes(self) -> int:
-        """Bytes of master weights and moments this rank holds."""
-        return sum(3 * 4 * (hi - lo) for lay in self.layouts.values()
+        """Bytes of master weights and moments this rank holds, each in its dtype (12 per
+        parameter in fp32)."""
+        return sum(self.precision.state_bytes * (hi - lo) for lay in self.layouts.values()
+                   for lo, hi in self._bounds(lay))
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's gradients waiting for their update, in their dtype."""
+        return sum(self.precision.grad_bytes * (hi - lo) for lay in self.layouts.values()
                    for lo, hi in self._bounds(lay))
 
     # --- backward sweep ----------------------------------------------------------------
@@ -286,9 +411,17 @@ class OffloadedAdamW(HostAdamW):
             # Unscaled once, here, as Megatron unscales main grads before the norm: the grad
             # records hold true gradients.
             shard = shard * self._inv_scale
-        for seg, piece in lay.pieces(start, end):
-            self._norms[seg.index] = torch.linalg.vector_norm(
-                shard[piece.start - start:piece.stop - start])
+        if self.precision.grad != torch.float32:
+            # --main-grads-dtype bf16: stored and moved in bf16 (summed in fp32 on the
+            # device); the norm is the stored gradient's, as Megatron's is its main grads'
+            shard = shard.to(self.precision.grad)
+            for seg, piece in lay.pieces(start, end):
+                self._norms[seg.index] = torch.linalg.vector_norm(
+                    shard[piece.start - start:piece.stop - start], dtype=torch.float32)
+        else:
+            for seg, piece in lay.pieces(start, end):
+                self._norms[seg.index] = torch.linalg.vector_norm(
+                    shard[piece.start - start:piece.stop - start])
         # Back-pressure on the device: the previous layout's gradient is copied out before
         # this one is handed over, so at most two layouts' gradients wait there.
         for handle in self._device_gradients:
@@ -425,7 +558,8 @@ class OffloadedAdamW(HostAdamW):
                 parts = [p for p, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key]))
                          if hi > lo and p in deferred]
                 if parts:
-                    keys = [(name, key, part) for part in parts for name in STATES]
+                    keys = [(name, key, part) for part in parts
+                            for name in STATES + (("w",) if self.precision.remainders else ())]
                     self._read_ahead = [self.store.prefetch(k, tier="host", if_room=True,
                                                             background=True) for k in keys]
                     self._read_ahead_keys += keys
@@ -488,22 +622,60 @@ class OffloadedAdamW(HostAdamW):
         return state
 
     def layout_state(self, key, names=STATES) -> dict:
-        """This rank's shard of layout ``key``'s fp32 master weights and both moments
-        ({name: flat shard}; ``names`` of them), read back from their tier once its pending
-        update is applied."""
+        """This rank's shard of layout ``key``'s master weights and both moments ({name:
+        flat shard}; ``names`` of them), read back from their tier once its pending update
+        is applied, as a checkpoint holds them (``Precision.checkpoint_dtype``: what
+        Megatron-Core's distributed optimizer writes): the moments and an fp16 master in
+        fp32, unscaled; under remainders the master's int16 remainders (they pair with the
+        working weights saved beside them)."""
         self.finish_update(key)
-        start, end, _ = self.dp.shard(self.layouts[key].numel)
-        state = {name: torch.empty(end - start, dtype=torch.float32) for name in names}
-        handles = [self.store.get((name, key, part), out=state[name][lo - start:hi - start])
-                   for name in names
-                   for part, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key])) if hi > lo]
+        lay, p = self.layouts[key], self.precision
+        start, end, _ = self.dp.shard(lay.numel)
+        raw = {name: torch.empty(end - start, dtype=p.dtype(name)) for name in names}
+        parts = [(part, lo, hi) for part, (lo, hi) in zip(PARTS, self._bounds(lay)) if hi > lo]
+        handles = [self.store.get((name, key, part), out=raw[name][lo - start:hi - start])
+                   for name in names for part, lo, hi in parts]
         for handle in handles:
             handle.wait()
+        state = {}
+        for name in names:
+            if p.dtype(name) in (torch.float32, REMAINDER):
+                state[name] = raw[name]
+                continue
+            state[name] = torch.empty(end - start, dtype=torch.float32)
+            for part, lo, hi in parts:
+                self._decode(name, key, part, raw[name][lo - start:hi - start],
+                             state[name][lo - start:hi - start])
         return state
+
+    def native_master(self, master: torch.Tensor, weights: torch.Tensor | None):
+        """A checkpoint's master weights (one shard: fp32 values, or the int16 remainders of
+        ``weights``, the bf16 working weights saved with them) as ``load_layout_state``
+        takes them here, and the working weights that must go with them when they are not
+        ``weights``: (master, new weights or None). Remainders into a run without them are
+        joined with their weights (exact); fp32 masters into a run with them are split
+        (exact), the working weights becoming the split's high halves (they differ from
+        the saved ones only where a master lies exactly halfway between two bf16 values)."""
+        remainders = master.dtype == REMAINDER
+        if remainders and (weights is None or weights.dtype != torch.bfloat16):
+            raise ValueError("master-weight remainders need the bf16 working weights saved "
+                             "with them")
+        if self.precision.remainders:
+            if remainders:
+                return master, None
+            hi, rem = split_flat(master)
+            same = weights is not None and weights.dtype == torch.bfloat16 and \
+                torch.equal(hi.view(torch.int16), weights.reshape(-1).view(torch.int16))
+            return rem, None if same else hi
+        if remainders:
+            return join_flat(weights, master), None
+        return master.to(torch.float32), None
 
     def load_layout_state(self, key, state: dict) -> list:
         """Put ``layout_state(key)``'s shards back into the store (this rank's shard of the
-        same layout). Returns the puts' handles: ``state`` is read until they are done."""
+        same layout): the moments as fp32 values (rounded to their dtype here, Transformer
+        Engine's ``set_scaled_state``), the master as ``native_master`` gives it. Returns
+        the puts' handles: ``state`` is read until they are done."""
         lay = self.layouts[key]
         start, end, _ = self.dp.shard(lay.numel)
         for name in STATES:
@@ -511,25 +683,31 @@ class OffloadedAdamW(HostAdamW):
                 raise ValueError(f"checkpoint optimizer state {name} of unit {key} has shape "
                                  f"{tuple(state[name].shape)}, this rank's shard "
                                  f"{(end - start,)}")
+        if (state["master"].dtype == REMAINDER) != self.precision.remainders:
+            raise ValueError(f"master weights of unit {key} are {state['master'].dtype}: "
+                             "convert them with native_master first")
         self.finish_update(key)
         handles = []
         for name in STATES:
-            shard = state[name].to(torch.float32)
+            shard = state[name]
             for part, (lo, hi) in zip(PARTS, self._bounds(lay)):
-                handles.append(self.store.put((name, key, part),
-                                              shard[lo - start:hi - start].contiguous(),
-                                              tier=self.tier, kind="optim"))
+                values = self._encode(name, key, part, shard[lo - start:hi - start])
+                handles.append(self.store.put((name, key, part), values, tier=self.tier,
+                                              kind="optim"))
         return handles
 
     def set_master_weights(self, key, flat: torch.Tensor) -> None:
         """Master weights of layout ``key`` from ``flat`` (the whole layout, any dtype and
-        device): this rank's parts, in fp32. Before the first step only (--no-load-optim)."""
+        device): this rank's parts, in their stored form (under remainders: zero
+        remainders of bf16 ``flat``, whose working-weight records the caller keeps). Before
+        the first step only (--no-load-optim)."""
         if self.iteration or self._hyper is not None:
             raise RuntimeError("master weights can be replaced only before the first step")
         full = flat.detach().reshape(-1).to("cpu", torch.float32)
         for part, (lo, hi) in zip(PARTS, self._bounds(self.layouts[key])):
-            self.store.put(("master", key, part), full[lo:hi].clone(), tier=self.tier,
-                           kind="optim")
+            values = split_flat(full[lo:hi])[1] if self.precision.remainders else full[lo:hi]
+            self.store.put(("master", key, part), self._encode("master", key, part, values),
+                           tier=self.tier, kind="optim")
 
     def load_state_dict(self, state: dict) -> None:
         """``state_dict()``'s state back; without "layouts" (a checkpoint loads them one at
@@ -582,8 +760,12 @@ class OffloadedAdamW(HostAdamW):
     def _read_update_inputs(self, key, part) -> dict:
         """Start borrowing one part's state and gradient (handles): the update changes the
         host tier's bytes in place, so state read ahead into host memory is neither copied
-        out nor copied again into staging on its way back to the drive."""
-        return {name: self.store.borrow((name, key, part)) for name in STATES + ("grad",)}
+        out nor copied again into staging on its way back to the drive. With master-weight
+        remainders, the working weights (the masters' high halves) are read too."""
+        reads = {name: self.store.borrow((name, key, part)) for name in STATES + ("grad",)}
+        if self.precision.remainders:
+            reads["w"] = self.store.get(("w", key, part), device="cpu")
+        return reads
 
     def _next_job(self, job: dict) -> None:
         """On the worker, as ``job`` starts: read the inputs of the update queued after it,
@@ -626,10 +808,26 @@ class OffloadedAdamW(HostAdamW):
     def _update_part(self, key, part: str, hyper: StepHyper, clip_coef, soon: bool,
                      reads: dict) -> None:
         t0 = time.perf_counter()
+        lent = {name: h.wait() for name, h in reads.items()}
+        if self.precision.fp32:
+            self._update_in_place(key, part, hyper, clip_coef, lent)
+            weights = lent["master"]
+        else:
+            weights = self._update_chunked(key, part, hyper, clip_coef, lent)
+        self.store.delete(("grad", key, part))   # its host buffers are free now
+        if self.on_weights is not None:   # before the master's buffers are given back
+            self.on_weights(key, part, weights, soon=soon)
+        elif weights is not lent["master"]:   # remainders: the optimizer's own records
+            self.store.put_converted(("w", key, part), weights, self.precision.params,
+                                     tier=self.tier, kind="weights")
+        self.update_s += time.perf_counter() - t0
+
+    def _update_in_place(self, key, part: str, hyper: StepHyper, clip_coef,
+                         lent: dict) -> None:
+        """Every state fp32: the fused kernel on the lent bytes, one view per parameter."""
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
         # each a list of 1-D pieces, cut at the same elements (same dtype and size)
-        lent = {name: h.wait() for name, h in reads.items()}
         if clip_coef is not None:
             for piece in lent["grad"]:
                 piece.mul_(clip_coef)
@@ -651,10 +849,151 @@ class OffloadedAdamW(HostAdamW):
                              weight_decay=hyper.weight_decay if decay else 0.0)
             for name in STATES:
                 _return_bridges(taken[name][1])
-        self.store.delete(("grad", key, part))   # its host buffers are free now
-        if self.on_weights is not None:   # before the master's buffers are given back
-            self.on_weights(key, part, lent["master"], soon=soon)
-        self.update_s += time.perf_counter() - t0
+
+    # --- the chunked update (precision-aware) -------------------------------------------
+    def _update_chunked(self, key, part: str, hyper: StepHyper, clip_coef,
+                        lent: dict) -> list[torch.Tensor]:
+        """One part's update with states in their own dtypes: each parameter piece, in
+        chunks of at most CHUNK_ELEMENTS cut at 16-element lines from its start, loaded into
+        fp32 scratch (several small pieces share one batch), updated by the fused kernel
+        (one tensor per chunk: the bits of the kernel on the whole piece), and rounded back
+        into the lent records. A scaled state (fp16, fp8) takes its piece's absmax after the
+        update: a piece longer than one chunk is computed twice, the first time for its
+        absmax only. Returns the new working weights' pieces for ``on_weights``."""
+        p = self.precision
+        flats = {name: _Flat(lent[name]) for name in STATES + ("grad",)}
+        pieces = self._pieces(key, part)
+        n = pieces[-1][1] if pieces else 0
+        if p.remainders:      # the working weights: the masters' high halves, replaced
+            new_w = lent["w"].reshape(-1)
+        elif p.master != torch.float32:
+            new_w = torch.empty(n, dtype=p.params)
+        else:
+            new_w = None
+        scaled = [name for name in STATES if p.dtype(name) in SCALED]
+        scales_in = {name: self._scales[(name, key, part)] for name in scaled}
+        scales_out = {name: list(scales_in[name]) for name in scaled}
+        tasks = {True: [], False: []}                       # by weight decay
+        for index, (a, b, decay) in enumerate(pieces):
+            for c in range(a, b, CHUNK_ELEMENTS):
+                tasks[decay].append((index, c, min(b, c + CHUNK_ELEMENTS)))
+        long = {i for i, (a, b, _) in enumerate(pieces) if b - a > CHUNK_ELEMENTS}
+        step = torch.tensor(float(hyper.step))
+        with timeline.span("chunked adamw", "cpu adamw", params=n):
+            for decay, todo in tasks.items():
+                wd = hyper.weight_decay if decay else 0.0
+                amax: dict = {}
+                if scaled and long:   # first pass: the absmax of each long piece's states
+                    for batch in self._batches([t for t in todo if t[0] in long]):
+                        views = self._compute(batch, flats, lent, scales_in, clip_coef, step,
+                                              hyper.lr, wd, first_pass=True)
+                        for (index, _, _), view in zip(batch, views):
+                            for name in scaled:
+                                value = view[name].abs().max().to(torch.float32)
+                                amax[(name, index)] = torch.maximum(
+                                    amax.get((name, index), value), value)
+                for batch in self._batches(todo):
+                    views = self._compute(batch, flats, lent, scales_in, clip_coef, step,
+                                          hyper.lr, wd)
+                    for (index, a, b), view in zip(batch, views):
+                        self._store_chunk(index, a, b, view, flats, new_w, scales_out,
+                                          amax, long)
+        for name in scaled:
+            self._scales[(name, key, part)] = scales_out[name]
+        return [new_w] if new_w is not None else lent["master"]
+
+    @staticmethod
+    def _batches(tasks: list):
+        """Consecutive tasks whose chunks fit one scratch batch together."""
+        batch, size = [], 0
+        for task in tasks:
+            length = task[2] - task[1]
+            if batch and size + length > CHUNK_ELEMENTS:
+                yield batch
+                batch, size = [], 0
+            batch.append(task)
+            size += length
+        if batch:
+            yield batch
+
+    def _scratch_buffers(self) -> dict:
+        if self._scratch is None:   # made on the worker, kept for the run (4.5 MiB)
+            self._scratch = {name: torch.empty(CHUNK_ELEMENTS, dtype=torch.float32)
+                             for name in STATES + ("grad",)}
+            self._scratch["rem"] = torch.empty(CHUNK_ELEMENTS, dtype=REMAINDER)
+            self._scratch["i32"] = torch.empty(CHUNK_ELEMENTS, dtype=torch.int32)
+        return self._scratch
+
+    def _compute(self, batch: list, flats: dict, lent: dict, scales_in: dict, clip_coef,
+                 step: torch.Tensor, lr: float, weight_decay: float,
+                 first_pass: bool = False) -> list[dict]:
+        """Load a batch of chunks into fp32, run the fused AdamW kernel on them (one tensor
+        per chunk) and return each chunk's new values: views of the scratch buffers, or of
+        the lent record itself where an fp32 state's chunk lies in one of its pieces (it
+        is updated in place, as the all-fp32 update does). ``first_pass``: the results
+        are only looked at (every input is copied, nothing changes)."""
+        p, scratch = self.precision, self._scratch_buffers()
+        views, offset = [], 0
+        for index, a, b in batch:
+            length = b - a
+            view = {"in_place": set()}
+            for name in STATES + ("grad",):
+                dtype = p.dtype(name)
+                target = scratch[name][offset:offset + length]
+                if dtype == torch.float32 and not first_pass:
+                    direct = flats[name].view(a, b)
+                    if direct is not None:   # updated where it is stored
+                        view[name] = direct
+                        view["in_place"].add(name)
+                        continue
+                view[name] = target
+                if dtype == REMAINDER:
+                    rem = flats[name].view(a, b)
+                    if rem is None:
+                        rem = scratch["rem"][offset:offset + length]
+                        flats[name].read(a, b, rem)
+                    join_master(lent["w"].reshape(-1)[a:b], rem, target,
+                                scratch["i32"][offset:offset + length])
+                    continue
+                flats[name].read(a, b, target, fp8=dtype == FP8)
+                if dtype in SCALED:
+                    target.mul_(torch.tensor(scales_in[name][index], dtype=torch.float32))
+            if clip_coef is not None:
+                view["grad"].mul_(clip_coef)
+            views.append(view)
+            offset += length
+        fused_adamw_([v["master"] for v in views], [v["grad"] for v in views],
+                     [v["exp_avg"] for v in views], [v["exp_avg_sq"] for v in views], step,
+                     lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                     weight_decay=weight_decay)
+        return views
+
+    def _store_chunk(self, index: int, a: int, b: int, view: dict, flats: dict, new_w,
+                     scales_out: dict, amax: dict, long: set) -> None:
+        """Round one chunk's new fp32 values into their records (and the new working
+        weights): remainders split exactly, the rest by Transformer Engine's rules."""
+        p = self.precision
+        if p.remainders:
+            target = flats["master"].view(a, b)
+            rem = target if target is not None else self._scratch["rem"][:b - a]
+            split_master(view["master"], new_w[a:b], rem, self._scratch["i32"][:b - a])
+            if target is None:
+                flats["master"].write(a, b, rem)
+        elif new_w is not None:   # fp16 master: the weights from the fp32 result (the kernel's)
+            new_w[a:b].copy_(view["master"])
+        for name in STATES:
+            dtype = p.dtype(name)
+            if dtype == REMAINDER or name in view["in_place"]:
+                continue
+            if dtype not in SCALED:
+                flats[name].write(a, b, view[name])
+                continue
+            scale = scale_for(dtype, amax[(name, index)]) if index in long else None
+            target = flats[name].view(a, b)
+            out = target if target is not None else torch.empty(b - a, dtype=dtype)
+            scales_out[name][index] = quantize(view[name], dtype, out, scale)
+            if target is None:
+                flats[name].write(a, b, out)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

@@ -27,8 +27,9 @@ from megatron_snake.planner.workload import Stage, Workload
 
 RESOURCES = ("compute", "copy", "host", "drive", "cpu_adam", "dp_comm")
 SWEEPS = ("forward", "backward")
-OPTIMIZER_BYTES = 12   # fp32 master weight and two moments per parameter
-GRAD_BYTES = 4         # the fp32 gradient a parameter's update waits with
+OPTIMIZER_BYTES = 12   # fp32 master weight and two moments per parameter (the default;
+GRAD_BYTES = 4         # the fp32 gradient: Workload.optimizer_record_bytes says otherwise)
+DEVICE_GRAD_BYTES = 4  # the device accumulates a unit's gradient in fp32 whatever is stored
 
 
 class DoesNotFit(UserError, ValueError):
@@ -130,9 +131,9 @@ def device_working_set(w: Workload, st: Stage) -> int:
     e, c = w.elem_bytes, w.checkpoint_bytes
     act_layer = w.seq_length * w.micro_batch_size * w.hidden_size * \
         (34 + 5 * w.heads * w.seq_length / w.hidden_size) / w.tp * e / 2
-    units = max(p * (e + GRAD_BYTES) + layers * act_layer
+    units = max(p * (e + DEVICE_GRAD_BYTES) + layers * act_layer
                 for p, layers in zip(st.unit_params, st.unit_layers))
-    return int(units + st.shared_params * (e + GRAD_BYTES) + (1 + w.group_size) * c
+    return int(units + st.shared_params * (e + DEVICE_GRAD_BYTES) + (1 + w.group_size) * c
                + max(st.unit_params) * e)
 
 
@@ -144,11 +145,12 @@ def _alive(w: Workload, stage: int, stored: int) -> int:
 
 def _host_tier_buffers(w: Workload, shares: list[int], shared: int) -> int:
     """Pool buffers the weights and optimizer state placed on the host tier hold (whole
-    buffers per record: a unit's weights, and master weight, two moments and gradient)."""
+    buffers per record: a unit's weights, and master weight, two moments and gradient,
+    each in its dtype)."""
     records = shares + ([shared] if shared else [])
     n = sum(_buffers(s * w.elem_bytes, w) for s in records) if w.param_tier == "host" else 0
     if w.optimizer_tier == "host":
-        n += sum(4 * _buffers(s * 4, w) for s in records)
+        n += sum(_buffers(s * b, w) for s in records for b in w.optimizer_record_bytes)
     return n
 
 
@@ -183,7 +185,7 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
 
     # gradients: off the device in the backward sweep, read by their update; host while the
     # pool has room beside the planned records, else the optimizer's tier
-    grads = numel * GRAD_BYTES
+    grads = numel * w.grad_bytes
     stored, bwd_reads, fwd_reads = _checkpoint_counts(w, stage)
     alive = _alive(w, stage, stored)
     pool = w.host_pool_bytes // w.host_buffer_bytes
@@ -208,21 +210,29 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
             written=0 if kept else published)
     if w.param_tier == "nvme":
         fwd.add("weights", "host", read=published, written=published)
+    # Master-weight remainders: the backward read leaves kept weights in host memory, where
+    # the next update reads them (its masters' high halves), so the published part is not
+    # written to the drive; weights that are not kept are read again from their tier.
+    moved_down = published if kept and not w.update_reads_weights else 0
     bwd.add("weights", w.param_tier, read=0 if kept else bwd_weights,
-            written=(1 - f) * weights + (published if kept else 0))
+            written=(1 - f) * weights + moved_down)
     if kept:
         bwd.add("weights", "host", read=bwd_weights)
+    if w.update_reads_weights:
+        tier = "host" if kept or w.param_tier == "host" else w.param_tier
+        fwd.add("weights", tier, read=f * weights)
+        bwd.add("weights", tier, read=(1 - f) * weights)
     fwd.copy += groups * weights
     bwd.copy += bwd_weights
 
     grad_tier = "host" if w.optimizer_tier == "host" or \
-        _buffers(f * grads, w) + _buffers(max(shares) * GRAD_BYTES, w) <= room else "nvme"
+        _buffers(f * grads, w) + _buffers(max(shares) * w.grad_bytes, w) <= room else "nvme"
     bwd.add("grad", grad_tier, written=grads, read=(1 - f) * grads)
     fwd.add("grad", grad_tier, read=f * grads)
     bwd.copy += grads
 
     # optimizer state: read and written once, in the sweep that runs the update
-    state = numel * OPTIMIZER_BYTES
+    state = numel * w.optimizer_bytes
     fwd.add("optim", w.optimizer_tier, read=f * state, written=f * state)
     bwd.add("optim", w.optimizer_tier, read=(1 - f) * state, written=(1 - f) * state)
     fwd.adam_params, bwd.adam_params = f * numel, (1 - f) * numel
@@ -242,7 +252,7 @@ def stage_traffic(w: Workload, stage: int, hw: Hardware) -> tuple[dict, dict]:
         full = (sum(st.unit_params) + st.shared_params) * e
         fwd.dp_bytes = ring * groups * full
         bwd.dp_bytes = ring * (groups * (full - turn * e - st.shared_params * e)
-                               + (sum(st.unit_params) + st.shared_params) * GRAD_BYTES)
+                               + (sum(st.unit_params) + st.shared_params) * DEVICE_GRAD_BYTES)
 
     held = {"device": device_working_set(w, st), "host": w.host_pool_bytes, "nvme": 0,
             "host_buffers": host_tiers + host_ckpts}

@@ -66,6 +66,14 @@ class Workload:
     global_batch: int
     sequence_parallel: bool = False
     host_buffer_bytes: int = 8 << 20   # the pool's buffer: a host-tier record takes whole ones
+    # bytes per element of the optimizer's records: master weights, exp_avg, exp_avg_sq and
+    # the gradient (fp32: 4 each; --use-precision-aware-optimizer: each in its dtype, the
+    # bf16 masters' remainders 2)
+    optimizer_record_bytes: tuple = (4, 4, 4, 4)
+    # master-weight remainders: an update reads its part's working weights (the masters'
+    # high halves), which stay where their last read left them instead of being moved down
+    # to the drive by the backward read
+    update_reads_weights: bool = False
 
     def __post_init__(self):
         for name in ("param_tier", "optimizer_tier"):
@@ -76,6 +84,20 @@ class Workload:
         if self.micro_batches % self.group_size:
             raise ValueError(f"group size {self.group_size} does not divide the "
                              f"{self.micro_batches} micro-batches")
+        if len(self.optimizer_record_bytes) != 4 or \
+                not all(n in (1, 2, 4) for n in self.optimizer_record_bytes):
+            raise ValueError("optimizer_record_bytes: 1, 2 or 4 bytes for each of master "
+                             "weights, exp_avg, exp_avg_sq and the gradient")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes per parameter of master weights and both moments (12 in fp32)."""
+        return sum(self.optimizer_record_bytes[:3])
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of the gradient an update waits with (4 in fp32)."""
+        return self.optimizer_record_bytes[3]
 
     @property
     def pp(self) -> int:

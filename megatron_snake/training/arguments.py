@@ -17,10 +17,12 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 
 import torch
 
 from megatron_snake.optim.adamw import check_clip_grad
+from megatron_snake.optim.precision import check_precision_args, map_precision_args
 from megatron_snake.training.distributed import data_parallel_size
 from megatron_snake.training.snake_args import add_snake_args
 from megatron_snake.training.snake_args import check_rule as _check
@@ -74,180 +76,221 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2)
 
 
+class OneLineHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each flag's default once: argparse's ``(default: X)`` follows the
+    help unless the help says its default itself (it contains the word "default": a None
+    that means something, e.g. "default: 4 x --hidden-size", or a --snake-* flag, whose help
+    must show its default in Megatron-LM's parser too), or the default says nothing (None,
+    or a switch: a flag that takes no value)."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.nargs == 0 or action.default is None \
+                or action.default is argparse.SUPPRESS:
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+    def _split_lines(self, text, width):
+        """Wrapped at spaces only: a flag name such as --snake-offload-dir stays whole."""
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="pretrain_gpt.py",
-        description="Pretrain a Megatron-Core GPT; --snake-offload uses megatron_snake's "
-                    "vertical schedule.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [-h] [FLAG ...]",
+        description="Pretrain a Megatron-Core GPT with Megatron-LM's flags; --snake-offload "
+                    "trains it with megatron_snake's vertical schedule.",
+        epilog="docs/usage.md explains each flag.",
+        formatter_class=OneLineHelpFormatter,
         allow_abbrev=False)
 
     g = p.add_argument_group("model (defaults: a tiny demo GPT)")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden-size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=128, help="transformer hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size (default: 4 x --hidden-size)")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head dimension (default: --hidden-size / heads)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention, with --num-query-groups")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="query groups with --group-query-attention")
+    g.add_argument("--seq-length", type=int, default=128, help="sequence length in tokens")
     g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="default: seq-length")
+                   help="position embedding size (default: --seq-length)")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+                   choices=["learned_absolute", "rope", "none"], help="position embedding")
+    g.add_argument("--rotary-base", type=int, default=10000, help="base of the RoPE frequencies")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="share of head dimensions RoPE rotates")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="output layer with its own weights, not the embedding's")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout probability of the hidden state")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout probability after attention")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="normalization layers")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norms")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no bias in the linear layers")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal weight init")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of it")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
-                   help="layer spec; transformer_engine needs a GPU and Transformer Engine")
+                   help="layer spec; transformer_engine needs Transformer Engine (a GPU)")
 
     g = p.add_argument_group("batch and training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=8)
-    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--micro-batch-size", type=int, default=2,
+                   help="samples per micro-batch")
+    g.add_argument("--global-batch-size", type=int, default=8,
+                   help="samples per iteration over all ranks")
+    g.add_argument("--train-iters", type=int, default=20, help="iterations to train")
     g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (saving a checkpoint if --save is given) once the iteration "
-                        "is a multiple of this")
+                   help="stop (and --save) at an iteration divisible by this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, finish the iteration, save (with --save), remove the "
-                        "offload files and exit with status 0")
+                   help="on SIGTERM: finish the step, save (--save), exit 0")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="stop the same way once the run has lasted this long")
-    g.add_argument("--seed", type=int, default=1234)
+                   help="stop (and --save) after this many minutes")
+    g.add_argument("--seed", type=int, default=1234, help="random seed")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
-                   help="go on when the loss or the gradient norm is NaN or Inf (by default "
-                        "training stops there, as in Megatron-LM)")
+                   help="go on when the loss or grad norm is NaN or Inf")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="torch.use_deterministic_algorithms(True)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="compute device; auto: a GPU if any")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel size (ranks per layer)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers are split into")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10,
-                   help="a collective that waits longer than this (e.g. for a rank that "
-                        "died) fails instead of hanging")
+                   help="a collective waiting longer fails")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="split layer norms, dropout and stage-boundary activations along the "
-                        "sequence across tensor-parallel ranks (needs TP > 1)")
+                   help="split norms and dropout along the sequence (TP > 1)")
 
     g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default="adam", choices=["adam"])
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--optimizer", default="adam", choices=["adam"],
+                   help="AdamW (Megatron's adam)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate the decay ends at")
     g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root"])
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+                   choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   help="learning-rate decay after warm-up")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations to decay over (default: --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="iterations of linear warm-up")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate the warm-up starts at")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the gradient norm to this; 0: off")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
 
     g = p.add_argument_group("mixed precision")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    g.add_argument("--fp16", action="store_true", help="fp16 mixed precision, loss-scaled")
     g.add_argument("--loss-scale", type=float, default=None,
-                   help="static loss scale; default: dynamic loss scaling for fp16")
-    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+                   help="static fp16 loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32,
+                   help="dynamic loss scale at the start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="lowest dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="iterations before the loss scale grows")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflows before the loss scale shrinks")
+    # Megatron-LM's precision-aware optimizer flags (names, choices and defaults of its
+    # core_v0.16.1 arguments.py); the offloaded AdamW honours them (optim/precision.py)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="store optimizer states in the dtypes below (needs --snake-offload)")
+    for flag, (choices, what) in {
+            "--main-grads-dtype": (("fp32", "bf16"), "gradients' dtype for the update "
+                                   "(bf16: with --bf16)"),
+            "--main-params-dtype": (("fp32", "fp16"), "master weights' dtype "
+                                    "(fp16: approximate)"),
+            "--exp-avg-dtype": (("fp32", "fp16", "bf16", "fp8"), "Adam first moment's dtype "
+                                "(not fp32: approximate)"),
+            "--exp-avg-sq-dtype": (("fp32", "fp16", "bf16", "fp8"), "Adam second moment's "
+                                   "dtype (not fp32: approximate)")}.items():
+        g.add_argument(flag, default="fp32", choices=list(choices), help=what)
 
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100,
-                   help="iterations per log line; its figures cover those iterations")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="iterations between validations")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="batches per validation and test")
     g.add_argument("--tensorboard-dir", default=None,
-                   help="write TensorBoard scalars (Megatron-LM's names, plus snake/ bytes "
-                        "per tier, I/O wait and overlap) here; needs the tensorboard package")
+                   help="write TensorBoard scalars here (needs tensorboard)")
     g.add_argument("--wandb-project", default=None,
-                   help="log the same scalars to Weights & Biases (WANDB_MODE=offline works "
-                        "without a network); needs the wandb package")
+                   help="log to this Weights & Biases project (needs wandb)")
     g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
     g.add_argument("--wandb-save-dir", default=None,
-                   help="wandb's local files; default <--save>/wandb, or ./wandb without "
-                        "--save")
+                   help="wandb's files (default: <--save>/wandb, or ./wandb)")
     g.add_argument("--profile", action="store_true",
-                   help="write a torch profiler trace of iterations --profile-step-start to "
-                        "--profile-step-end into --tensorboard-dir")
+                   help="torch profiler trace into --tensorboard-dir")
     g.add_argument("--profile-step-start", type=int, default=10,
-                   help="iterations done before profiling starts (counted from 0)")
+                   help="iterations done when profiling starts")
     g.add_argument("--profile-step-end", type=int, default=12,
                    help="iterations done when profiling stops")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
-                   help="the global ranks that profile")
+                   help="global ranks that profile (default: 0)")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--save", default=None, help="directory checkpoints are saved in")
+    g.add_argument("--load", default=None, help="directory to resume from")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="iterations between saves (default: at the end only)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
     g.add_argument("--ckpt-format", default=None, choices=["torch", "torch_dist"],
-                   help="how --save writes: torch_dist (the default, as in Megatron-LM: "
-                        "Megatron-Core's distributed format, which loads into another TP / PP "
-                        "/ DP layout, with or without --snake-offload; "
-                        "an offloaded run writes it one unit at a time) or torch (this "
-                        "project's own: one checksummed file per rank, and with "
-                        "--snake-offload one per unit; the same layout only; the default "
-                        "with --snake-zenflow). --load reads either")
+                   help="--save's format (default: torch_dist; torch with --snake-zenflow)")
     g.add_argument("--no-save-optim", action="store_true",
-                   help="save the weights without the optimizer state (load such a checkpoint "
-                        "with --no-load-optim or --finetune)")
-    g.add_argument("--no-save-rng", action="store_true")
+                   help="do not save the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="do not save the RNG state")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="refuse a --load directory that holds no checkpoint (by default the "
-                        "run starts from scratch, as in Megatron-LM)")
+                   help="refuse a --load directory with no checkpoint")
     g.add_argument("--ckpt-step", type=int, default=None,
-                   help="load iteration N of --load, whatever its "
-                        "latest_checkpointed_iteration.txt says")
+                   help="load this iteration of --load, not the latest")
     g.add_argument("--finetune", action="store_true",
-                   help="load only the weights from --load: iteration, consumed samples, "
-                        "optimizer and RNG start afresh")
+                   help="load the weights only, from iteration 0")
     g.add_argument("--pretrained-checkpoint", default=None,
-                   help="a checkpoint directory loaded as with --finetune when --load has no "
-                        "checkpoint yet (or is not given)")
+                   help="weights loaded as --finetune while --load has none")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
-                   help="on --load, take this run's learning-rate schedule flags over the "
-                        "checkpoint's")
+                   help="on --load, take the LR schedule from the flags")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    dest="use_checkpoint_opt_param_scheduler",
-                   help="on --load, keep the checkpoint's learning-rate schedule")
+                   help="on --load, keep the checkpoint's LR schedule")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
-                   help="synthetic data (the default when no data path is given)")
+                   help="synthetic data (used when no data path is given)")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="indexed dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...; "
-                        "split into train/valid/test by --split")
+                   help="[weight] prefix ... of datasets split by --split")
     g.add_argument("--split", default=None,
-                   help="train,valid,test proportions of --data-path's documents; default "
-                        f"'{DEFAULT_SPLIT}' with --data-path (Megatron-LM's legacy default)")
+                   help=f"train,valid,test weights (default: '{DEFAULT_SPLIT}' with --data-path)")
     for split in ("train", "valid", "test"):
         g.add_argument(f"--{split}-data-path", nargs="*", default=None,
-                       help=f"an independent {split} dataset, used whole (instead of "
-                            "--data-path and --split); same format as --data-path")
+                       help=f"{split} datasets used whole, as --data-path gives them")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="mask the loss on end-of-document tokens")
     g.add_argument("--num-workers", type=int, default=2,
-                   help="DataLoader worker processes reading batches ahead (0: read them "
-                        "in the training process)")
+                   help="DataLoader worker processes (0: none)")
     g.add_argument("--data-cache-path", default=None,
-                   help="where dataset index caches go (shared by all ranks); default "
-                        "$MEGATRON_SNAKE_DATA_CACHE or ~/.cache/megatron_snake")
+                   help="dataset index caches (default: $MEGATRON_SNAKE_DATA_CACHE or "
+                        "~/.cache/megatron_snake)")
     add_tokenizer_args(g)
 
     add_snake_args(p)
@@ -437,4 +480,20 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     _check(parser, lambda: build_tokenizer(**tokenizer_flags(args)))
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 \
         else torch.float32
+    _validate_precision(args, parser)
     return args
+
+
+def _validate_precision(args, parser) -> None:
+    """Megatron-LM's precision-aware optimizer flags: Megatron-Core's rules
+    (``check_precision_args``), then the dtype names become torch dtypes, as Megatron-LM's
+    ``validate_args`` makes them. Megatron-Core's own optimizer runs them only through
+    Transformer Engine's FusedAdam on a GPU with its distributed optimizer, which the run
+    without --snake-offload does not use: there they are refused."""
+    _check(parser, check_precision_args, args)
+    if args.use_precision_aware_optimizer and not args.snake_offload:
+        _fail(parser, "--use-precision-aware-optimizer", "Megatron-Core runs it only with "
+              "Transformer Engine's FusedAdam on a GPU and its distributed optimizer, which "
+              "this run's optimizer is not; add --snake-offload (the offloaded AdamW honours "
+              "it on the CPU) or drop the flag")
+    map_precision_args(args)

@@ -186,7 +186,10 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, model_s
             "snake": {"offload": args.snake_offload,
                       "checkpoint_interval": args.snake_checkpoint_interval,
                       "schedule": args.snake_schedule,
-                      "alpha": args.snake_alpha},
+                      "alpha": args.snake_alpha,
+                      # the dtype each optimizer state was stored in (the unit files hold
+                      # Megatron's checkpoint form: fp32 moments, fp32 or int16 masters)
+                      "precision": optimizer_precision(args)},
             "model": model_state,
             "optimizer": None if args.no_save_optim else optimizer_state,
             "opt_param_scheduler": scheduler_state,
@@ -551,6 +554,8 @@ def load_checkpoint(checkpoint: Checkpoint, *, args, optimizer: bool = True) -> 
             f"--load {root}: the optimizer state was saved "
             f"{'with' if state['snake']['offload'] else 'without'} --snake-offload; load it "
             "the same way, or pass --no-load-optim to take only the weights")
+    if optimizer and state["snake"]["offload"]:
+        _refuse_other_precision(root, state["snake"].get("precision"), args)
     for key in state["units"]:  # all there before anything is loaded (each verified later)
         unit_path = _unit_path(root, os.path.dirname(path), key)
         if not os.path.isfile(unit_path):
@@ -560,6 +565,35 @@ def load_checkpoint(checkpoint: Checkpoint, *, args, optimizer: bool = True) -> 
                 f"({describe_saved(root)})")
         _read_checksum_file(root, unit_path)
     return state
+
+
+def optimizer_precision(args) -> dict:
+    """{state: dtype name} of the offloaded optimizer's stored states (fp32 without
+    --use-precision-aware-optimizer), as the state file records them."""
+    from megatron_snake.optim.precision import Precision
+
+    precision = Precision.from_args(args)
+    return {name: str(precision.dtype(name)).removeprefix("torch.")
+            for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
+
+
+def _refuse_other_precision(root: str, saved, args) -> None:
+    """The torch format loads optimizer state into the precision it was saved with (a
+    state file without the entry is fp32's): another is refused, naming the flags;
+    torch_dist converts between them."""
+    saved = saved if isinstance(saved, dict) else {
+        name: "float32" for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
+    here = optimizer_precision(args)
+    differ = [name for name in ("master", "exp_avg", "exp_avg_sq") if saved.get(name) !=
+              here[name]]
+    if differ:
+        shown = ", ".join(f"{n} saved {saved.get(n)} now {here[n]}" for n in differ)
+        raise CheckpointMismatchError(
+            f"--load {root}: the optimizer state was saved with other precision-aware "
+            f"optimizer settings ({shown}: --use-precision-aware-optimizer, "
+            "--main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype); load it with the "
+            "flags it was saved with, or save it with --ckpt-format torch_dist, whose load "
+            "converts between them")
 
 
 def refuse_other_settings(root: str, saved: dict, args, *, keys=MUST_MATCH) -> None:

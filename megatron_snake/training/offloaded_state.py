@@ -25,6 +25,7 @@ from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
+from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed
 
@@ -217,8 +218,8 @@ class OffloadedState:
         weights = sum(hi - lo for lay in self.weights.params.units
                       for _, (lo, hi) in self.weights.record_parts(lay)) * elem
         pinned = self.weights.pinned_bytes()
-        optim = self.optimizer.state_bytes()
-        grads = optim // 3  # fp32, one value per parameter, held between backward and update
+        optim = self.optimizer.state_bytes()     # each state in its dtype
+        grads = self.optimizer.grad_bytes()      # held between backward and update
         ckpt = checkpoint_bytes_per_step(args)
         per_tier = {"device": pinned, "host": 0, "nvme": 0}
         per_tier[self.tiers.params] += weights - pinned
@@ -233,12 +234,14 @@ class OffloadedState:
         # every snake group reads each unit in both sweeps
         groups = args.num_microbatches // (args.snake_group_size or args.num_microbatches)
         read = 2 * groups * (weights - pinned) + optim + grads + off_device_ckpt
+        if self.optimizer.precision.remainders:   # the update reads its masters' high halves
+            read += weights
         written = (weights - pinned) + optim + grads + off_device_ckpt
         units = sorted(self.weights.pinned)
         need, free = self.capacity
         inputs_on = "where the activation plan puts them (auto)" \
             if ckpt_tier is None else f"on {ckpt_tier}"
-        return ("> offloaded state per tier: "
+        line = ("> offloaded state per tier: "
                 + ", ".join(f"{t} {mib(n)}" for t, n in per_tier.items())
                 + f" (weights {mib(weights)} on {self.tiers.params}, "
                 f"pinned on the device: {'units ' + str(units) if units else 'none'}; master "
@@ -247,6 +250,9 @@ class OffloadedState:
                 f"about {mib(read)} read and {mib(written)} written off the device; free "
                 f"space checked: {mib(need)} more needed with margin (beyond what the "
                 f"offload files hold now), {mib(free)} free on the offload drive")
+        if getattr(args, "use_precision_aware_optimizer", False):
+            line += "\n" + self.optimizer.precision.summary()
+        return line
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,7 @@ class HostBuffers:
     record takes whole buffers, so this is not bytes / buffer size)."""
 
     weights: int
-    optimizer: int       # fp32 master weights, two moments and the fp32 gradient
+    optimizer: int       # master weights, two moments and the gradient, each in its dtype
     unit_inputs: int
     largest_unit_weights: int = 0   # one unit's weight records, the largest unit's
 
@@ -288,24 +294,39 @@ class HostBuffers:
 def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list[int],
                         buffers_for) -> HostBuffers:
     """What each part would hold on the host tier: this rank's records of every unit's
-    weights (the pinned ones stay on the device), four fp32 records per weight record,
-    and the step's unit inputs; ``buffers_for(nbytes)`` is the store's rule."""
+    weights (the pinned ones stay on the device), four optimizer records per weight record
+    (master weights, two moments, gradient: four fp32 ones, or each in its dtype with
+    --use-precision-aware-optimizer), and the step's unit inputs; ``buffers_for(nbytes)``
+    is the store's rule."""
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    sizes = optimizer_record_bytes(args)
     weights = optimizer = largest = 0
     for unit, lay in enumerate(params.units):
         unit_weights = 0
         for lo, hi in part_bounds(lay, args.snake_alpha, dp):
             if hi > lo:
                 unit_weights += buffers_for((hi - lo) * elem)
-                optimizer += 4 * buffers_for((hi - lo) * 4)
+                optimizer += sum(buffers_for((hi - lo) * n) for n in sizes)
         weights += 0 if unit in pinned else unit_weights
         largest = max(largest, unit_weights)
     if params.shared.segments:
-        optimizer += sum(4 * buffers_for((hi - lo) * 4)
+        optimizer += sum(buffers_for((hi - lo) * n)
                          for lo, hi in part_bounds(params.shared, args.snake_alpha, dp)
-                         if hi > lo)
+                         if hi > lo for n in sizes)
     inputs = checkpoints_per_step(args) * buffers_for(checkpoint_bytes(args))
     return HostBuffers(weights, optimizer, inputs, largest)
+
+
+def optimizer_record_bytes(args) -> tuple[int, ...]:
+    """Bytes per element of the optimizer's four records of a part: master weights, the two
+    moments and the gradient (4 each in fp32)."""
+    p = Precision.from_args(args)
+    return tuple(p.nbytes(name) for name in ("master", "exp_avg", "exp_avg_sq", "grad"))
+
+
+def optimizer_bytes_per_param(args) -> int:
+    """Drive bytes per parameter the optimizer's state and gradients hold (16 in fp32)."""
+    return sum(optimizer_record_bytes(args))
 
 
 def on_host_tier(args, tiers: StateTiers, need: HostBuffers) -> list[tuple[str, int]]:
@@ -513,10 +534,12 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
         room = host_room(args, tiers, need, store.pool.count)
         store.spill_keep_free, store.pool.reserved = room.spill, room.planned
-        planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)  # master, moments, grad
+        # master, moments, gradient, each in its dtype
+        planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
         if initial is not None:   # held until the state is built from them: counted too
             planned += initial.nbytes
-        saved = checkpoint_bytes_planned(args, full_numel * elem, 12 * numel) \
+        saved = checkpoint_bytes_planned(
+            args, full_numel * elem, Precision.from_args(args).checkpoint_bytes * numel) \
             if saves_to_offload_drive(args, store.dir.path) else 0
         try:
             capacity = store.check_capacity(planned + saved)
@@ -536,7 +559,9 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                tier=tiers.optimizer, dp=DataParallel.from_megatron(),
                                grad_scaler=grad_scaler(args),
                                model_parallel_group=_model_parallel_group(),
-                               embedding_group=_embedding_group(gpt), initial=initial)
+                               embedding_group=_embedding_group(gpt), initial=initial,
+                               precision=Precision.from_args(args),
+                               weight_records=False)   # OffloadedUnits writes them
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=tiers.params, pinned=pinned, initial=initial,
                              host_keep_free=room.weights)

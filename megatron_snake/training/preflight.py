@@ -22,7 +22,8 @@ import torch
 
 from megatron_snake.errors import UserError
 from megatron_snake.optim.dp_shards import DataParallel
-from megatron_snake.optim.offloaded_adamw import part_bounds
+from megatron_snake.optim.offloaded_adamw import CHUNK_ELEMENTS, part_bounds
+from megatron_snake.optim.precision import Precision
 from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_pool import (DEFAULT_BUFFER_BYTES, DEFAULT_POOL_CAP_BYTES,
@@ -36,6 +37,7 @@ from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, ch
                                                      checkpoint_bytes_planned,
                                                      host_buffers_needed, nvme_bytes,
                                                      offload_dir_for_rank,
+                                                     optimizer_bytes_per_param,
                                                      resolve_state_tiers,
                                                      saves_to_offload_drive, units_to_pin,
                                                      unit_working_set_bytes, working_set_error,
@@ -201,12 +203,14 @@ class Preflight:
     pool_buffers: int
     buffer_bytes: int
     host_buffers: HostBuffers    # pool buffers each part would hold on the host tier
-    optimizer_update: int        # outside the pool: fp32 master, moments, gradient of a part
+    optimizer_update: int        # outside the pool: master, moments, gradient of a part
     partial_gradients: int       # outside the pool: fp32 unit gradients between snake groups
     # drive
     nvme_weights: int
-    nvme_optimizer: int          # fp32 master weights and two moments: 12 B per parameter
-    nvme_gradients: int          # fp32: 4 B per parameter
+    nvme_optimizer: int          # master weights and two moments: 12 B per parameter in
+                                 # fp32, each state in its dtype with the precision-aware
+                                 # optimizer (2 B for the bf16 masters' remainders)
+    nvme_gradients: int          # 4 B per parameter in fp32, 2 in bf16
     nvme_unit_inputs: int
     nvme_initial: int            # the initial weights: spilled while Megatron builds the model
                                  # (InitialWeights), held until the state is made from them
@@ -215,6 +219,7 @@ class Preflight:
     offload_path: str            # the offload directory (this rank's), or the temporary one
     offload_dir_given: bool
     pool_why: str = "given by --snake-host-memory-limit"   # where pool_bytes comes from
+    precision: Precision = Precision()   # the dtype each optimizer state is stored in
 
     @property
     def params_rank(self) -> int:
@@ -264,9 +269,13 @@ class Preflight:
 
     def drive_parts(self) -> str:
         t = self.tiers
+        p = self.precision
+        masters = "master-weight remainders" if p.remainders else "master weights"
+        grads = "fp32" if p.grad == torch.float32 else "bf16"
         parts = [f"weights {size(self.nvme_weights)}" if t.params == "nvme" else "",
-                 f"master weights + moments {size(self.nvme_optimizer)}, fp32 gradients "
-                 f"{size(self.nvme_gradients)}" if t.optimizer == "nvme" else "",
+                 f"{masters} + moments {size(self.nvme_optimizer)} ({p.state_bytes} B per "
+                 f"parameter), {grads} gradients {size(self.nvme_gradients)}"
+                 if t.optimizer == "nvme" else "",
                  f"unit inputs {size(self.nvme_unit_inputs)}" if self.nvme_unit_inputs else "",
                  f"initial weights while the state is built {size(self.nvme_initial)}"
                  if self.nvme_initial else "",
@@ -308,6 +317,8 @@ class Preflight:
             f"{self.host_buffers_used} ("
             + ", ".join([f"{name} {n}" for name, n in self._on_host()] + ["1 for staging"])
             + f"); outside the pool: {outside}); the pool is {self.pool_why}",
+            *([self.precision.summary()] if self.precision != Precision(
+                params=self.precision.params) else []),
             f"> pre-flight drive, {self.drive_label()}: {size(self.drive_planned)} planned "
             f"({self.drive_parts()}; weights on {t.params}, optimizer state on "
             f"{t.optimizer}, unit inputs on {self.unit_input_tier}){saved}; "
@@ -394,11 +405,12 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     numel = -(-counts.total // dp.size)
     ckpt = checkpoint_bytes_per_step(args)
     path = offload_path(args, rank)
-    planned = nvme_bytes(args, tiers, numel * elem, 16 * numel)
+    precision = Precision.from_args(args)
+    planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
     pf_parts = dict(
         nvme_weights=numel * elem if tiers.params == "nvme" else 0,
-        nvme_optimizer=12 * numel if tiers.optimizer == "nvme" else 0,
-        nvme_gradients=4 * numel if tiers.optimizer == "nvme" else 0,
+        nvme_optimizer=precision.state_bytes * numel if tiers.optimizer == "nvme" else 0,
+        nvme_gradients=precision.grad_bytes * numel if tiers.optimizer == "nvme" else 0,
         nvme_unit_inputs=ckpt if args.snake_activation_tier in ("nvme", "auto") else 0)
     assert sum(pf_parts.values()) == planned, (pf_parts, planned)
     # build_run builds the model through InitialWeights (tier nvme): every parameter of
@@ -422,13 +434,28 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         device_unit_inputs=ckpt if args.snake_activation_tier in ("device", "auto") else 0,
         pool_bytes=pool_bytes, pool_buffers=pool_buffers, pool_why=pool_why,
         buffer_bytes=DEFAULT_BUFFER_BYTES, host_buffers=need,
-        optimizer_update=16 * largest_part,
+        optimizer_update=update_bytes(precision, largest_part),
         partial_gradients=4 * sum(counts.units) if groups > 1 else 0,
         **pf_parts,
-        checkpoints=checkpoint_bytes_planned(args, counts.total * elem, 12 * numel)
+        checkpoints=checkpoint_bytes_planned(args, counts.total * elem,
+                                             precision.checkpoint_bytes * numel)
         if args.save else 0,
         checkpoints_on_drive=os.path.isdir(path) and saves_to_offload_drive(args, path),
-        offload_path=path, offload_dir_given=bool(args.snake_offload_dir))
+        offload_path=path, offload_dir_given=bool(args.snake_offload_dir),
+        precision=precision)
+
+
+def update_bytes(precision: Precision, elements: int) -> int:
+    """Host memory one part's update holds outside the pool at most (its records lent as
+    copies when they are not in host memory): master weights, moments and gradient in
+    their dtypes (16 B per element in fp32); with the chunked update, the working weights
+    it reads or makes and its fp32 scratch buffers."""
+    if precision.fp32:
+        return 16 * elements
+    per = precision.state_bytes + precision.grad_bytes
+    if precision.master != torch.float32:   # remainders read it, an fp16 master makes it
+        per += torch.tensor([], dtype=precision.params).element_size()
+    return per * elements + 4 * 4 * CHUNK_ELEMENTS + 2 * CHUNK_ELEMENTS
 
 
 def check(preflight: Preflight, args, free_bytes: int | None) -> None:

@@ -24,8 +24,8 @@ from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
 from megatron_snake.storage.errors import OffloadError
-from megatron_snake.storage.host_pool import (DEFAULT_POOL_CAP_BYTES, STAGING_BUFFERS,
-                                              check_host_memory_limit, physical_memory_bytes)
+from megatron_snake.storage.host_pool import (DEFAULT_POOL_CAP_BYTES, check_host_memory_limit,
+                                              physical_memory_bytes)
 from megatron_snake.storage.sizes import parse_size
 
 SNAKE_SCHEDULES = ("vertical", "horizontal")
@@ -57,131 +57,79 @@ def check_rule(parser: argparse.ArgumentParser, rule, *values):
 
 
 def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The --snake-* flags, in their two groups."""
+    """The --snake-* flags, in their two groups. Each help says its default itself
+    ("default: ..."): Megatron-LM's parser shows no defaults of its own."""
     g = p.add_argument_group("megatron_snake")
     g.add_argument("--snake-offload", action="store_true",
-                   help="train with the vertical (snake) schedule over the tiered store")
+                   help="train with the snake schedule over the tiered store")
     g.add_argument("--snake-checkpoint-interval", type=int, default=1,
-                   help="layers per unit: the granularity of weight loading and recompute")
+                   help="layers loaded and recomputed as one unit (default: %(default)s)")
     g.add_argument("--snake-schedule", default="vertical", choices=SNAKE_SCHEDULES,
-                   help="micro-batch order over the store: vertical (unit-major, snake) or "
-                        "horizontal (Megatron's micro-batch-major order, weights fetched per "
-                        "micro-batch: for ablations)")
+                   help="micro-batch order: vertical (snake) or horizontal (ablation) "
+                        "(default: %(default)s)")
     g.add_argument("--snake-group-size", type=int, default=None,
-                   help="micro-batches per snake group G: a stage sweeps G micro-batches "
-                        "through its units before passing them on, so weights are read M/G "
-                        "times per sweep and the pipeline bubble is about (p-1)/(M/G+p-1). "
-                        "Default: M with one pipeline stage (pure GreedySnake); with p > 1 "
-                        "stages the largest divisor of M giving at least 4(p-1) groups")
+                   help="micro-batches per snake group (default: all; fewer with PP > 1)")
     g.add_argument("--snake-offload-dir", default=None,
-                   help="existing directory for offloaded state (rank<N>/ is made below "
-                        "it); may be a template with {node} (this node's index, torchrun's "
-                        "GROUP_RANK), {hostname}, {rank} and {local_rank}, e.g. "
-                        "/nvme/{node}/{local_rank}; default: a new temporary directory")
+                   help="directory (or {node}/{rank} template) for offloaded state "
+                        "(default: a temporary one)")
     g.add_argument("--snake-activation-tier", default=None, choices=ACTIVATION_TIERS,
-                   help="where unit inputs (activation checkpoints) live between the forward "
-                        "and backward sweeps; auto: profile, then place each by a "
-                        "lifetime-aware plan (the device within --snake-gpu-memory-limit, "
-                        "host memory when it fits, else the drive). Default: auto for the "
-                        "vertical schedule, nvme otherwise (the horizontal ablation, "
-                        "--snake-activation-offload alone)")
+                   help="where unit inputs wait for backward "
+                        "(default: auto if vertical, else nvme)")
     g.add_argument("--snake-profile-iters", type=int, default=2,
-                   help="iterations profiled before the activation plan is made (auto tier)")
+                   help="iterations profiled for the auto tier (default: %(default)s)")
     g.add_argument("--snake-plan-json", default=None,
-                   help="where the activation plan is written (auto tier); default "
-                        "<offload-dir>/activation_plan_rank<N>.json with --snake-offload-dir")
+                   help="auto tier's plan (default: in --snake-offload-dir)")
     g.add_argument("--snake-activation-offload", action="store_true",
-                   help="SSDTrain: tensors autograd saves go to --snake-activation-tier (nvme "
-                        "for the vertical schedule unless that tier is host) and come back "
-                        "for backward, deduplicated and prefetched; with Megatron's schedule, "
-                        "or with --snake-offload inside each unit's recompute")
+                   help="SSDTrain: offload the tensors autograd saves")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
-                   help="saved tensors smaller than this stay in memory")
+                   help="saved tensors smaller than this stay in memory (default: 1 MiB)")
     g.add_argument("--snake-param-tier", default=None, choices=("host", "nvme", "auto"),
-                   help="where unit working weights live between their uses (default nvme "
-                        "with --snake-offload); auto: host when "
-                        "they fit in a quarter of --snake-host-memory-limit, else nvme")
+                   help="where units' weights wait between uses (default: "
+                        f"{OFFLOAD_ONLY_DEFAULTS['--snake-param-tier']})")
     g.add_argument("--snake-optimizer-tier", default=None, choices=("host", "nvme", "auto"),
-                   help="where fp32 master weights, Adam moments and gradients live (default "
-                        "nvme with --snake-offload); auto: "
-                        "host when they fit in what a quarter of --snake-host-memory-limit "
-                        "leaves after the weights, else nvme")
+                   help="where master weights, Adam moments and gradients live (default: "
+                        f"{OFFLOAD_ONLY_DEFAULTS['--snake-optimizer-tier']})")
     g.add_argument("--snake-alpha", type=float, default=None,
-                   help="fraction of each unit's optimizer update deferred from the backward "
-                        "sweep to the next forward sweep (0 to 0.5, default "
-                        f"{OFFLOAD_ONLY_DEFAULTS['--snake-alpha']}); with --clip-grad the "
-                        "whole update waits for the global norm and runs in the forward sweep")
+                   help="share of each unit's update deferred to the next forward sweep "
+                        f"(default: {OFFLOAD_ONLY_DEFAULTS['--snake-alpha']})")
     g.add_argument("--snake-gpu-memory-limit", default=None,
-                   help="compute-device memory the offloaded run may use (e.g. 40GiB); checked "
-                        "at start against the largest unit's working set; what is left after "
-                        "it and the step's checkpoints keeps units' weights on the device "
-                        "(pinned: not re-read each sweep). Default: no check, nothing pinned")
+                   help="device memory the run may use, e.g. 40GiB (default: no limit)")
     g.add_argument("--snake-host-memory-limit", default=None,
-                   help="hard limit of the host buffer pool (e.g. 4GiB). Default: room for "
-                        "the records this rank's offloaded state may hold in host memory "
-                        "(its host tiers, and what may spill there) and "
-                        f"{STAGING_BUFFERS} buffers of drive staging, at most "
-                        f"{DEFAULT_POOL_CAP_BYTES >> 30}GiB (the pre-flight prints it and why); "
-                        f"{DEFAULT_POOL_CAP_BYTES >> 30}GiB without --snake-offload and with "
-                        "saved tensors on the host tier")
+                   help="host buffer pool limit, e.g. 4GiB (default: what the run needs, "
+                        f"at most {DEFAULT_POOL_CAP_BYTES >> 30}GiB)")
     g.add_argument("--snake-auto", action="store_true",
-                   help="choose " + ", ".join(AUTO_CHOSEN_FLAGS) + " by the cost model "
-                        "(megatron_snake/planner) for --snake-hardware: the least predicted "
-                        "step time within the device's memory, --snake-host-memory-limit and "
-                        "the drives; prints the choice and its predicted breakdown, then "
-                        "trains with it")
+                   help="for --snake-hardware, choose group size, alpha, unit size and tiers")
     g.add_argument("--snake-hardware", default=None, metavar="PROFILE",
-                   help="hardware profile for --snake-auto and --snake-dry-run's prediction: "
-                        "a JSON file (tools/calibrate.py) or a shipped profile's name "
-                        "(megatron_snake/planner/profiles/)")
+                   help="a shipped profile's name or a tools/calibrate.py JSON")
     g.add_argument("--snake-dry-run", action="store_true",
-                   help="with --snake-offload: print the pre-flight (the bytes each tier "
-                        "needs: the device's working set, host memory, drive space), check "
-                        "it, and exit before the model is built")
+                   help="print and check the bytes each tier needs, then exit")
     g.add_argument("--snake-trace", default=None, metavar="FILE",
-                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev, "
-                        "tools/plot_timeline.py) of one training iteration to FILE: compute, "
-                        "each store worker, the drive, the optimizer worker, collectives and "
-                        "waits, one row per thread")
+                   help="write a Chrome trace of one iteration to FILE")
     g.add_argument("--snake-trace-iteration", type=int, default=None,
-                   help="the iteration of this run --snake-trace records, counted from 1, at "
-                        "most --train-iters (default "
-                        f"{DEFAULT_TRACE_ITERATION}: the first steady one; the last if the "
-                        "run is shorter)")
+                   help="iteration --snake-trace records, from 1 (default: "
+                        f"{DEFAULT_TRACE_ITERATION})")
     g.add_argument("--snake-log-details", action="store_true",
-                   help="every figure on the log line after Megatron-LM's fields (tokens/s, "
-                        "each memory figure, bytes per tier and per kind, activation peaks, "
-                        "prefetch and other I/O waits); default: a compact set (peak memory, "
-                        "drive MB/s, the I/O wait share, the host pool's peak)")
+                   help="every figure on the log line (default: a compact set)")
     g.add_argument("--snake-io-engine", default="auto", choices=IO_ENGINES,
-                   help="how offloaded bytes reach the drive: auto (native io_uring, else "
-                        "the native thread pool, else Python), uring, threads (the native "
-                        "pthread pool), python (threads + preadv/pwritev), or gds "
-                        "(GPUDirect Storage through kvikio for GPU tensors; falls back to "
-                        "auto, saying why, where cuFile is not in use)")
+                   help="how offloaded bytes reach the drive (default: %(default)s)")
 
     g = p.add_argument_group("ZenFlow (approximate: important columns at once, the rest late)")
     g.add_argument("--snake-zenflow", action="store_true",
-                   help="APPROXIMATE optimizer mode (ZenFlow): the top gradient columns of each "
-                        "2-D weight and all 1-D parameters are updated at once on the compute "
-                        "device, the rest accumulate in host memory and a CPU AdamW applies "
-                        "them every update-interval steps; with Megatron's schedule (weights "
-                        "on the compute device, optimizer state in host memory)")
+                   help="APPROXIMATE optimizer: ZenFlow (docs/zenflow.md)")
     g.add_argument("--snake-zenflow-topk-ratio", type=float, default=None,
-                   help=f"fraction of each 2-D weight's columns (by per-column sum of |grad|) "
-                        f"updated at once, in (0, 1] (default {ZENFLOW_DEFAULTS['topk_ratio']})")
+                   help="share of columns updated at once "
+                        f"(default: {ZENFLOW_DEFAULTS['topk_ratio']})")
     g.add_argument("--snake-zenflow-select-interval", type=int, default=None,
-                   help="steps between column re-selections, >= the update interval "
-                        f"(default {ZENFLOW_DEFAULTS['select_interval']})")
+                   help="steps between column selections "
+                        f"(default: {ZENFLOW_DEFAULTS['select_interval']})")
     g.add_argument("--snake-zenflow-update-interval", type=int, default=None,
-                   help="steps whose gradients of the other columns are accumulated before "
-                        f"the CPU applies them (default {ZENFLOW_DEFAULTS['update_interval']})")
+                   help="steps per CPU update of the other columns "
+                        f"(default: {ZENFLOW_DEFAULTS['update_interval']})")
     g.add_argument("--snake-zenflow-full-warmup-steps", type=int, default=None,
-                   help="first steps that are exact full AdamW updates on the CPU "
-                        f"(default {ZENFLOW_DEFAULTS['full_warmup_steps']})")
+                   help="first steps done as exact AdamW updates "
+                        f"(default: {ZENFLOW_DEFAULTS['full_warmup_steps']})")
     g.add_argument("--snake-zenflow-overlap-step", action="store_true", default=None,
-                   help="run the CPU update in the background during the next update "
-                        "interval (it lands one interval later) instead of at once")
+                   help="run the CPU update in the background, an interval late")
     return p
 
 

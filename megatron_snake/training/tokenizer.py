@@ -202,15 +202,15 @@ class GPT2BPETokenizer:
 
 def add_tokenizer_args(group) -> None:
     """The tokenizer flags (Megatron-LM's names), shared by pretrain_gpt and preprocess_data."""
+    others = [t for t in TOKENIZER_TYPES if t != "ByteTokenizer"]
     group.add_argument("--tokenizer-type", default="ByteTokenizer",
-                       help=f"one of {', '.join(TOKENIZER_TYPES)}")
+                       help=f"{', '.join(others[:-1])} or {others[-1]} (default: %(default)s)")
     group.add_argument("--vocab-size", type=int, default=None,
-                       help="vocabulary size without eod (NullTokenizer)")
-    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer)")
-    group.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
+                       help="NullTokenizer's vocabulary size, without eod")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     group.add_argument("--tokenizer-model", default=None,
-                       help="a local tokenizer directory (HuggingFaceTokenizer) or a .model "
-                            "file (SentencePieceTokenizer)")
+                       help="HuggingFaceTokenizer's directory, SentencePieceTokenizer's .model")
 
 
 def tokenizer_flags(args: argparse.Namespace) -> dict:

@@ -41,6 +41,7 @@ from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
                                                 SafeTorchDistLoadStrategy, corrupt,
                                                 open_checkpoint_file, read_metadata)
 from megatron_snake.models.gpt_units import unwrap_model
+from megatron_snake.optim.precision import REMAINDER, Precision, dtype_name, join_flat
 from megatron_snake.training import checkpointing as ckpt
 from megatron_snake.training import torch_dist_offloaded
 from megatron_snake.training.dcp_stream import stream_save
@@ -169,12 +170,17 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     extra = {RNG_KEY: _rng_object(None)} if takes_rng else {}
     strategies = dict(sharded_strategy=SafeTorchDistLoadStrategy(),
                       common_strategy=SafeCommonLoadStrategy())
+    master_dtype = _saved_master_dtype(metadata)
+    if takes_optimizer:
+        notes += precision_notes(saved_args, args, master_dtype)
     with _refusals(root, iter_dir):
         if run.offloaded:
             loaded = torch_dist_offloaded.load(iter_dir, run, with_optimizer=takes_optimizer,
-                                               extra=extra, strategies=strategies)
+                                               extra=extra, strategies=strategies,
+                                               master_dtype=master_dtype)
         else:
-            loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra, strategies)
+            loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra, strategies,
+                                     master_dtype)
     if takes_optimizer and run.offloaded:
         step, scaler = torch_dist_offloaded.saved_step(common.get("optimizer") or {})
         run.optimizer.load_state_dict({"iteration": step, "param_groups": [],
@@ -188,6 +194,60 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
             "consumed_valid_samples": int(getattr(saved_args, "consumed_valid_samples", 0)),
             "flops_so_far": common.get("num_floating_point_operations_so_far", 0),
             "opt_param_scheduler": common["opt_param_scheduler"], "notes": notes}
+
+
+MASTER_PREFIX = "optimizer.state.fp32_param."
+
+
+def _saved_master_dtype(metadata) -> torch.dtype | None:
+    """The dtype the checkpoint holds its master weights (``fp32_param``) in: float32, or
+    int16 remainders (Megatron-Core's precision-aware optimizer under bf16); None without
+    them (fp32 training, where the weights are the masters)."""
+    dtypes = {getattr(getattr(meta, "properties", None), "dtype", None)
+              for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith(MASTER_PREFIX)}
+    dtypes.discard(None)
+    if len(dtypes) > 1:
+        raise ckpt.CheckpointMismatchError(f"the checkpoint's master weights are in several "
+                                           f"dtypes ({sorted(map(str, dtypes))})")
+    return dtypes.pop() if dtypes else None
+
+
+def _saved_precision(saved_args, master_dtype: torch.dtype | None) -> Precision | None:
+    """The dtypes the saving run stored its optimizer states in, from its flags."""
+    try:
+        return Precision.from_args(saved_args)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def precision_notes(saved_args, args, master_dtype: torch.dtype | None) -> list[str]:
+    """What a load converts between the saving run's optimizer dtypes and this run's (a
+    checkpoint holds fp32 moments and fp32 or remainder masters either way), in words."""
+    here = Precision.from_args(args)
+    saved = _saved_precision(saved_args, master_dtype)
+    notes = []
+    if master_dtype == REMAINDER and not here.remainders:
+        notes.append("optimizer: master weights rebuilt from the checkpoint's bf16 weights "
+                     "and 16-bit remainders (exact)")
+    elif master_dtype == torch.float32 and here.remainders:
+        notes.append("optimizer: fp32 master weights split into bf16 weights and 16-bit "
+                     "remainders (exact; a working weight takes the split's rounding, ties "
+                     "away from zero, where a master lies halfway between two bf16 values)")
+    if saved is None:
+        return notes
+    for name, flag in (("exp_avg", "--exp-avg-dtype"), ("exp_avg_sq", "--exp-avg-sq-dtype"),
+                       ("master", "--main-params-dtype")):
+        was, now = saved.dtype(name), here.dtype(name)
+        if name == "master":
+            was = torch.float32 if was == REMAINDER else was
+            now = torch.float32 if now == REMAINDER else now
+        if was != now:
+            notes.append(f"optimizer: {name} saved by a run that stored it in "
+                         f"{dtype_name(was)}, stored here in {dtype_name(now)} ({flag}): "
+                         + ("rounded on load by Transformer Engine's rule (approximate)"
+                            if now != torch.float32 else "taken as saved"))
+    return notes
 
 
 def _iteration_named(iter_dir: str) -> int:
@@ -215,10 +275,15 @@ def _read_config(iter_dir: str) -> dict:
 
 
 def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra: dict,
-                    strategies: dict) -> dict:
-    """Megatron's own load into a run that holds its model: one collective read."""
+                    strategies: dict, master_dtype: torch.dtype | None = None) -> dict:
+    """Megatron's own load into a run that holds its model: one collective read. Master
+    weights saved as remainders (an offloaded run's precision-aware optimizer under bf16)
+    are read as int16 and joined with the loaded bf16 weights into the fp32 masters."""
     state = _sharded_state(run.model, run.optimizer, with_optimizer=takes_optimizer,
                            loading=True)
+    remainders = takes_optimizer and master_dtype == REMAINDER
+    if remainders:
+        _read_masters_as_remainders(run.optimizer, state["optimizer"])
     loaded = dist_checkpointing.load({**state, **extra}, iter_dir, **strategies)
     result = unwrap_model(run.model).load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -226,11 +291,56 @@ def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra:
         raise ckpt.CheckpointMismatchError(
             f"--load {root}: the checkpoint's model does not match this run's (missing "
             f"{missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+    if remainders:
+        _join_remainders(run.optimizer, loaded["optimizer"])
     if takes_optimizer:
         run.optimizer.load_state_dict(loaded["optimizer"])
     else:
         run.optimizer.reload_model_params()
     return loaded
+
+
+def _float16_optimizers(optimizer, state: dict) -> list[tuple[object, dict]]:
+    """(Megatron's Float16OptimizerWithFloat16Params, its part of ``state``) of a plain run's
+    optimizer: itself, or each one a ChainedOptimizer chains (one: its state unprefixed)."""
+    inners = getattr(optimizer, "chained_optimizers", None)
+    if inners is None:
+        return [(optimizer, state)]
+    if len(inners) == 1:
+        return [(inners[0], state)]
+    return [(inner, state[i]) for i, inner in enumerate(inners)]
+
+
+def _masters(optimizer_state) -> list:
+    """The master-weight groups of one of Megatron's Float16OptimizerWithFloat16Params'
+    state (``fp32_from_fp16_params``)."""
+    masters = optimizer_state.get("fp32_from_fp16_params") if isinstance(
+        optimizer_state, dict) else None
+    if masters is None:
+        raise ckpt.CheckpointMismatchError(
+            "the checkpoint's master weights are bf16 weights + 16-bit remainders, and this "
+            "run's optimizer keeps no fp32 master weights to rebuild them into (train with "
+            "--bf16, as the saving run did)")
+    return masters
+
+
+def _read_masters_as_remainders(optimizer, optimizer_state: dict) -> None:
+    """Make the plain optimizer's master-weight targets int16, the checkpoint's dtype."""
+    for _, state in _float16_optimizers(optimizer, optimizer_state):
+        for group in _masters(state):
+            for i, sh in enumerate(group):
+                group[i] = dataclasses.replace(
+                    sh, data=torch.empty_like(sh.data, dtype=REMAINDER), dtype=REMAINDER)
+
+
+def _join_remainders(optimizer, loaded_state: dict) -> None:
+    """The loaded int16 remainders, joined with the model's loaded bf16 weights, as fp32
+    masters in place in ``loaded_state`` (what ``load_state_dict`` copies)."""
+    for inner, state in _float16_optimizers(optimizer, loaded_state):
+        for params, group in zip(inner.float16_groups, _masters(state)):
+            for i, (param, rem) in enumerate(zip(params, group)):
+                master = join_flat(param.detach().reshape(-1).cpu(), rem.reshape(-1).cpu())
+                group[i] = master.view(param.shape).to(param.device)
 
 
 def _causes(exc: CheckpointException) -> list[BaseException]:

@@ -16,6 +16,13 @@ The optimizer's plain part in ``common.pt`` (step count, parameter groups, loss 
 the nesting of the optimizer a plain run builds (Megatron's FP32Optimizer, or its
 Float16OptimizerWithFloat16Params under --bf16 / --fp16), so a plain run's
 ``optimizer.load_state_dict`` takes it.
+
+With ``--use-precision-aware-optimizer`` the states are written as Megatron-Core's
+distributed optimizer writes them (``get_unscaled_state``): the moments (and an fp16 master)
+unscaled to fp32, and under master-weight remainders ``fp32_param`` holds the int16
+remainders that, joined with the bf16 weights saved beside them, are the fp32 masters.
+A load takes whichever form the checkpoint holds and converts it to this run's
+(``OffloadedAdamW.native_master``, ``load_layout_state``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTens
 
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.optim.dp_shards import all_reduce_on_backend
+from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import SHARED, FlatLayout
 from megatron_snake.training.dcp_stream import fragment_sharded_tensors, stream_save
 
@@ -110,12 +118,26 @@ def _layout_states(args, lay: FlatLayout, with_weights: bool, with_optimizer: bo
         states_saved(args, with_optimizer)
 
 
+def checkpoint_dtypes(args, master: torch.dtype | None = None) -> dict:
+    """The dtype of each state in a checkpoint (``Precision.checkpoint_dtype``);
+    ``master``: the one a checkpoint being loaded holds its master weights in."""
+    precision = Precision.from_args(args)
+    dtypes = {name: precision.checkpoint_dtype(name)
+              for name in ("weights", "master", "exp_avg", "exp_avg_sq")}
+    if master is not None:
+        dtypes["master"] = master
+    return dtypes
+
+
 def layout_fragments(run, lay: FlatLayout, parts: dict, *, with_weights: bool,
-                     with_optimizer: bool) -> list[tuple[ShardedTensor, Piece]]:
+                     with_optimizer: bool,
+                     master_dtype: torch.dtype | None = None) -> list[tuple[ShardedTensor, Piece]]:
     """This rank's element range of layout ``lay`` as ShardedTensors under Megatron's keys:
     its working weights (a unit's; the shared layout's are resident) and, with
-    ``with_optimizer``, its master weights (16-bit runs) and moments."""
+    ``with_optimizer``, its master weights (16-bit runs) and moments (``master_dtype``: the
+    master's dtype in a checkpoint being loaded)."""
     args, weights = run.args, run.offloaded.weights
+    dtypes = checkpoint_dtypes(args, master_dtype)
     start, end, _ = weights.dp.shard(lay.numel)
     states = _layout_states(args, lay, with_weights, with_optimizer)
     out = []
@@ -133,8 +155,8 @@ def layout_fragments(run, lay: FlatLayout, parts: dict, *, with_weights: bool,
             for state in states:
                 key = part.key if state == "weights" else \
                     f"optimizer.state.{MEGATRON_NAMES[state]}.{part.key}"
-                dtype = args.params_dtype if state == "weights" else torch.float32
-                for fragment, a, b in fragment_sharded_tensors(key, part, lo, hi, dtype):
+                for fragment, a, b in fragment_sharded_tensors(key, part, lo, hi,
+                                                               dtypes[state]):
                     out.append((fragment, Piece(lay.key, state, part_start + a - start,
                                                 part_start + b - start)))
     return out
@@ -204,19 +226,21 @@ def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict
 
 
 def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
-         strategies: dict) -> dict:
+         strategies: dict, master_dtype: torch.dtype | None = None) -> dict:
     """Load ``iter_dir`` (a torch_dist checkpoint of either kind of run, any layout) into
     the offloaded run: the resident model tensors, ``extra`` and the shared layout's
     optimizer state in one collective load, then each unit in its own, one at a time.
-    Returns the loaded ``extra``."""
+    ``master_dtype``: the dtype the checkpoint holds the master weights in (fp32, or int16
+    remainders; None: this run's). Returns the loaded ``extra``."""
     weights, gpt = run.offloaded.weights, unwrap_model(run.model)
     resident, parts = model_sharded_tensors(run)
     # Megatron's per-layer extra state is empty here (no Transformer Engine): not read
     resident = {k: v for k, v in resident.items() if not isinstance(v, ShardedObject)}
     shared = weights.params.shared
     pairs = layout_fragments(run, shared, parts, with_weights=False,
-                             with_optimizer=with_optimizer) if shared.segments else []
-    state = _buffers(run, shared, pairs, with_optimizer)
+                             with_optimizer=with_optimizer,
+                             master_dtype=master_dtype) if shared.segments else []
+    state = _buffers(run, shared, pairs, with_optimizer, master_dtype)
     loaded = _load(iter_dir, {"model": resident, "fragments": _targets(pairs, state),
                               **extra}, strategies)
     # (Megatron's load drops the entries that held nothing: a stage without resident state)
@@ -225,8 +249,7 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
     if pairs:
         if "master" not in state:   # fp32: the (resident) weights are the masters
             state["master"] = _resident_shard(shared, *state["shard"])
-        for handle in run.optimizer.load_layout_state(SHARED, state):
-            handle.wait()
+        weights.load_shared_optimizer_state(state)
     result = {k: loaded[k] for k in extra}
     del loaded, pairs, state   # before the units' buffers
     units = weights.params.units
@@ -239,8 +262,8 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
             continue
         lay = units[index]
         pairs = layout_fragments(run, lay, parts, with_weights=True,
-                                 with_optimizer=with_optimizer)
-        state = _buffers(run, lay, pairs, with_optimizer)
+                                 with_optimizer=with_optimizer, master_dtype=master_dtype)
+        state = _buffers(run, lay, pairs, with_optimizer, master_dtype)
         _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)},
                                   strategies).get("fragments", []))
         if with_optimizer and "master" not in state:   # fp32: the weights are the masters
@@ -257,17 +280,19 @@ def _resident_shard(lay: FlatLayout, start: int, end: int) -> torch.Tensor:
                       for seg, span in lay.pieces(start, end)] or [torch.empty(0)])
 
 
-def _buffers(run, lay: FlatLayout, pairs, with_optimizer: bool) -> dict:
+def _buffers(run, lay: FlatLayout, pairs, with_optimizer: bool,
+             master_dtype: torch.dtype | None = None) -> dict:
     """Flat buffers, zeroed, for this rank's shard of each state of ``lay`` a load reads
-    (even an empty shard), with the entries ``OffloadedUnits.load_unit_state`` checks.
-    (Zeroed: rows a smaller padded vocabulary did not have stay 0.)"""
+    (even an empty shard), in the checkpoint's dtypes, with the entries
+    ``OffloadedUnits.load_unit_state`` checks. (Zeroed: rows a smaller padded vocabulary
+    did not have stay 0.)"""
     weights = run.offloaded.weights
     start, end, _ = weights.dp.shard(lay.numel)
     state = {"numel": lay.numel, "shard": [start, end],
              "segments": [[s.name, list(s.shape), s.offset, s.numel] for s in lay.segments]}
+    dtypes = checkpoint_dtypes(run.args, master_dtype)
     for name in _layout_states(run.args, lay, True, with_optimizer):
-        dtype = run.args.params_dtype if name == "weights" else torch.float32
-        state[name] = torch.zeros(end - start, dtype=dtype)
+        state[name] = torch.zeros(end - start, dtype=dtypes[name])
     return state
 
 

@@ -5,6 +5,7 @@ Megatron counts them, and the tiers resolved as the run resolves them."""
 from __future__ import annotations
 
 from megatron_snake.errors import FlagError
+from megatron_snake.optim.precision import Precision
 from megatron_snake.planner.workload import Stage, Workload, layer_flops_per_token
 from megatron_snake.training import preflight
 from megatron_snake.training.train_log import model_flops_per_iteration
@@ -55,6 +56,7 @@ def workload_from_args(args, vocab_size: int) -> Workload:
         stages.append(Stage(tuple(counts.units), unit_layers, tuple(flops), counts.shared,
                             head_flops=head if stage == pp - 1 else 0.0))
     elem = 4 if not (args.bf16 or args.fp16) else 2
+    precision = Precision.from_args(args)   # each optimizer state in its dtype
     return Workload(
         stages=tuple(stages), tp=tp, dp=args.data_parallel_size,
         micro_batches=args.num_microbatches, group_size=args.snake_group_size,
@@ -65,4 +67,7 @@ def workload_from_args(args, vocab_size: int) -> Workload:
         activation_tier=args.snake_activation_tier,
         host_pool_bytes=args.snake_host_memory_limit,
         model_flops=model_flops_per_iteration(args, vocab_size),
-        global_batch=args.global_batch_size, sequence_parallel=args.sequence_parallel)
+        global_batch=args.global_batch_size, sequence_parallel=args.sequence_parallel,
+        optimizer_record_bytes=tuple(precision.nbytes(n) for n in
+                                     ("master", "exp_avg", "exp_avg_sq", "grad")),
+        update_reads_weights=precision.remainders)
