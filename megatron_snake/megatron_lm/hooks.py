@@ -40,6 +40,7 @@ def install() -> None:
     import megatron.training as package
     from megatron.core import parallel_state as mpu
     import megatron.training.checkpointing as mlm_checkpointing
+    import megatron.training.arguments as mlm_arguments
     import megatron.training.global_vars as global_vars
     import megatron.training.initialize as initialize
     import megatron.training.training as training
@@ -69,6 +70,9 @@ def install() -> None:
 
     initialize.parse_args = parse_args_with_snake_flags
     initialize.validate_args = validate_args_and_snake_flags
+    # pretrain_gpt.py parses once before initialize_megatron does (its in-process-restart
+    # check, through the arguments module's own name): --help must list the snake flags there
+    mlm_arguments.parse_args = parse_args_with_snake_flags
 
     setup_model_and_optimizer = training.setup_model_and_optimizer
     get_forward_backward_func = training.get_forward_backward_func

@@ -82,6 +82,8 @@ WRAPPED: tuple[Wrapped, ...] = (
     Wrapped("megatron.training.arguments", "parse_args",
             "def parse_args(extra_args_provider=None, ignore_unknown_args=False)"),
     Wrapped("megatron.training.arguments", "parse_args", "parser = extra_args_provider(parser)"),
+    Wrapped("megatron.training.inprocess_restart", "maybe_wrap_for_inprocess_restart",
+            "args = arguments.parse_args(ignore_unknown_args=True)"),
     # The log lines users (and tests/megatron_lm) read.
     Wrapped(_T, "training_log", "log_string += ' {}: {:.6E} |'.format(key, avg)"),
     Wrapped(_T, "training_log", "log_string += f' grad norm: {grad_norm:.3f} |'"),

@@ -173,3 +173,41 @@ def assert_trained(run: Run, iterations: int = 10) -> None:
     assert all(math.isfinite(v) for v in [*run.losses.values(), *run.grad_norms.values()])
     assert run.losses[iterations] < run.losses[1]
     assert {(5, ""), (10, ""), (10, "validation"), (10, "test")} <= set(run.validation)
+
+
+def launch_pretrain_gpt(megatron_lm_dir: Path, log: Path, *flags: str, nproc: int = 1,
+                        script: Path | None = None, pythonpath: Path | None = None,
+                        cwd: Path | None = None) -> Run:
+    """``python -m megatron_snake.megatron_lm SCRIPT *flags`` in one process (torch.distributed's
+    env:// variables set), or under ``torchrun --nproc-per-node nproc``; its output goes to
+    ``log``. SCRIPT: the checkout's pretrain_gpt.py unless given; ``pythonpath``: PYTHONPATH
+    for the run (a script outside the checkout finds ``megatron.training`` through it; the
+    runner moves a checkout there after site-packages). Usable from fixtures of any scope
+    (``pretrain_gpt`` and ``torchrun_pretrain_gpt`` are tied to one test's tmp_path)."""
+    env = _base_env()
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    runner = ["-m", "megatron_snake.megatron_lm",
+              str(script or megatron_lm_dir / "pretrain_gpt.py")]
+    if nproc == 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                   WORLD_SIZE="1", LOCAL_RANK="0")
+        command = [sys.executable, *runner, *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                   *runner, *flags]
+    return _launch(command, env, cwd or log.parent, log)
+
+
+def refuse_pretrain_gpt(megatron_lm_dir: Path, cwd: Path,
+                        *flags: str) -> subprocess.CompletedProcess:
+    """A one-process run expected to be refused before it trains: its exit status, and its
+    stdout and stderr apart (a refusal is one line on stderr)."""
+    env = _base_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0")
+    return subprocess.run([sys.executable, "-m", "megatron_snake.megatron_lm",
+                           str(megatron_lm_dir / "pretrain_gpt.py"), *flags],
+                          cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)

@@ -1,0 +1,265 @@
+"""Megatron-LM's own pretrain_gpt.py with ``--snake-offload`` against the same command without
+it: the same printed losses, gradient norms and evaluation losses (dropout 0, fp32, 10
+iterations) at one rank and under torchrun with TP 2, PP 2 and DP 2; checkpoints that resume
+to the uninterrupted losses, and load both ways between plain and plug-in runs; a forward step
+of one's own whose loss function reports one more value; the refusals. (Skips unless
+MEGATRON_LM_DIR names a checkout at tag core_v0.16.1; see conftest.py.)
+
+Each run costs 10-90 s on a CPU, so each is launched once per module (``Runs``) and shared by
+the tests that read it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .conftest import (TINY_FLAGS, Run, assert_trained, launch_pretrain_gpt, parse_log,
+                       refuse_pretrain_gpt)
+
+# Dropout off: the snake draws each unit's dropout masks in its own order (docs/megatron_lm.md).
+FLAGS = [*TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0"]
+SAVE = ["--ckpt-format", "torch_dist", "--save-interval", "5"]
+TOLERANCE = 1e-5
+
+# name -> (processes, flags on top of FLAGS). Two processes take 4 micro-batches of 2 per step
+# (2 per data-parallel rank with DP 2).
+PARALLEL = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]),
+    "dp2": (2, ["--global-batch-size", "8"]),
+}
+
+
+class Runs:
+    """The module's runs, each launched the first time a test asks for it."""
+
+    def __init__(self, megatron_lm_dir: Path, directory: Path):
+        self.checkout, self.dir = megatron_lm_dir, directory
+        self._done: dict[str, Run] = {}
+
+    def get(self, name: str, *flags: str, nproc: int = 1, **kwargs) -> Run:
+        if name not in self._done:
+            self._done[name] = launch_pretrain_gpt(self.checkout, self.dir / f"{name}.log", *flags,
+                                                   nproc=nproc, **kwargs)
+        return self._done[name]
+
+    def ckpt(self, name: str) -> Path:
+        return self.dir / f"ckpt_{name}"
+
+    # One rank, saving at 5 and 10: the reference of the one-rank tests and the checkpoints
+    # the loading tests start from.
+    def plain(self) -> Run:
+        return self.get("plain", *FLAGS, *SAVE, "--save", str(self.ckpt("plain")))
+
+    def plugin(self) -> Run:
+        return self.get("plugin", *FLAGS, *SAVE, "--save", str(self.ckpt("plugin")),
+                        "--snake-offload")
+
+
+@pytest.fixture(scope="module")
+def runs(megatron_lm_dir, tmp_path_factory) -> Runs:
+    if importlib.util.find_spec("psutil") is None:
+        pytest.skip("psutil is not installed: megatron-core's torch_dist checkpoint writer needs "
+                    "it for the plain runs' saves (without it the save hangs)")
+    return Runs(megatron_lm_dir, tmp_path_factory.mktemp("plugin_runs"))
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
+
+
+def assert_same_numbers(run: Run, reference: Run, iterations=range(1, 11),
+                        evaluations=((5, ""), (10, ""), (10, "validation"), (10, "test"))) -> None:
+    """``run`` printed ``reference``'s losses, grad norms and evaluation losses (within 1e-5)."""
+    run.check()
+    assert sorted(run.losses) == list(iterations), run.output[-4000:]
+    for i in iterations:
+        assert close(run.losses[i], reference.losses[i]), \
+            f"iteration {i}: lm loss {run.losses[i]} against {reference.losses[i]}"
+        assert close(run.grad_norms[i], reference.grad_norms[i]), \
+            f"iteration {i}: grad norm {run.grad_norms[i]} against {reference.grad_norms[i]}"
+    for key in evaluations:
+        assert close(run.validation[key], reference.validation[key]), \
+            f"evaluation {key}: {run.validation[key]} against {reference.validation[key]}"
+
+
+def assert_resumed_from_5(run: Run, uninterrupted: Run) -> None:
+    """``run`` loaded iteration 5 and went on to ``uninterrupted``'s iterations 6-10 and final
+    evaluations. Megatron-LM logs a run's second iteration as the mean of its first two (its
+    interval sums start at the first iteration), so the resumed 7 is the mean of 6 and 7."""
+    expected = Run(0, "", dict(uninterrupted.losses), uninterrupted.grad_norms,
+                   uninterrupted.validation)
+    expected.losses[7] = (uninterrupted.losses[6] + uninterrupted.losses[7]) / 2
+    assert_same_numbers(run, expected, iterations=range(6, 11),
+                        evaluations=((10, ""), (10, "validation"), (10, "test")))
+
+
+def test_one_rank_equals_plain(runs):
+    assert_trained(runs.plain())
+    assert_same_numbers(runs.plugin(), runs.plain())
+    assert " snake: " in runs.plugin().output   # the plug-in's suffix: it did run
+
+
+def test_the_preflight_counts_the_model_megatron_lm_builds(runs):
+    """Megatron-LM's --num-query-groups is 1 unless --group-query-attention is given; the
+    pre-flight (and --snake-auto's planner) must count one key/value group per head then."""
+    output = runs.plugin().check().output
+    planned = re.search(r"> pre-flight \(from the flags[^:]*: ([0-9,]+) parameters \(([0-9.]+)M\)",
+                        output)
+    built = re.search(r"> megatron_snake: ([0-9.]+)M parameters on this rank", output)
+    assert planned and built, output[-4000:]
+    assert planned.group(2) == built.group(1), (planned.group(0), built.group(0))
+
+
+@pytest.mark.parametrize("name", list(PARALLEL))
+def test_two_processes_equal_plain(runs, name):
+    nproc, flags = PARALLEL[name]
+    plain = runs.get(f"plain_{name}", *FLAGS, *flags, nproc=nproc)
+    assert_trained(plain)
+    plugin = runs.get(f"plugin_{name}", *FLAGS, *flags, "--snake-offload", nproc=nproc)
+    assert_same_numbers(plugin, plain)
+    assert " snake: " in plugin.output
+
+
+def test_clip_grad_and_snake_alpha_stated_explicitly(runs):
+    """--clip-grad 1.0 is Megatron-LM's default (the plain run clips with it: its grad norms
+    are above 1) and 0.25 the snake's: stated, they change nothing."""
+    plain = runs.plain()
+    assert max(plain.grad_norms.values()) > 1.0   # clipping is at work
+    run = runs.get("plugin_clip_alpha", *FLAGS, "--clip-grad", "1.0", "--snake-alpha", "0.25",
+                   "--snake-offload")
+    assert re.search(r"^  clip_grad \.+ 1\.0$", run.output, re.M)
+    assert re.search(r"^  snake_alpha \.+ 0\.25$", run.output, re.M)
+    assert_same_numbers(run, plain)
+
+
+def test_a_plugin_checkpoint_resumes_to_the_uninterrupted_losses(runs):
+    plugin = runs.plugin()
+    assert_same_numbers(plugin, runs.plain())
+    assert (runs.ckpt("plugin") / "iter_0000005").is_dir()
+    resumed = runs.get("plugin_from_plugin", *FLAGS, "--load", str(runs.ckpt("plugin")),
+                       "--ckpt-step", "5", "--snake-offload")
+    assert_resumed_from_5(resumed, plugin)
+
+
+def test_a_plugin_checkpoint_loads_into_a_plain_run(runs):
+    """The plug-in writes Megatron-LM's own rng_state beside its own: a plain run loads it all."""
+    runs.plugin().check()
+    resumed = runs.get("plain_from_plugin", *FLAGS, "--load", str(runs.ckpt("plugin")),
+                       "--ckpt-step", "5")
+    assert "RNG state not loaded" not in resumed.output
+    assert_resumed_from_5(resumed, runs.plain())
+    assert " snake: " not in resumed.output
+
+
+def test_a_plain_checkpoint_loads_into_a_plugin_run(runs):
+    """A plain run's RNG state holds numpy objects, which the plug-in does not unpickle: it says
+    so and goes on with its own RNG (the same numbers here: dropout is off)."""
+    runs.plain().check()
+    assert (runs.ckpt("plain") / "iter_0000005").is_dir()
+    resumed = runs.get("plugin_from_plain", *FLAGS, "--load", str(runs.ckpt("plain")),
+                       "--ckpt-step", "5", "--snake-offload")
+    assert "RNG state not loaded: " in resumed.output
+    assert_resumed_from_5(resumed, runs.plain())
+
+
+def test_a_plugin_checkpoint_resumes_under_another_tensor_parallel_size(runs):
+    """The one-rank plug-in checkpoint, resharded at load into TP 2 (torch_dist): the plug-in
+    goes on to the numbers plain Megatron-LM prints from the same checkpoint at TP 2, and
+    both stay near the uninterrupted one-rank run (a TP 2 sum is added in another order)."""
+    runs.plugin().check()
+    tp2 = ["--load", str(runs.ckpt("plugin")), "--ckpt-step", "5",
+           "--tensor-model-parallel-size", "2"]
+    plain = runs.get("plain_tp2_from_plugin", *FLAGS, *tp2, nproc=2)
+    plugin = runs.get("plugin_tp2_from_plugin", *FLAGS, *tp2, "--snake-offload", nproc=2)
+    later = ((10, ""), (10, "validation"), (10, "test"))
+    assert_same_numbers(plugin, plain, iterations=range(6, 11), evaluations=later)
+    for i in (6, 8, 9, 10):
+        assert math.isclose(plugin.losses[i], runs.plain().losses[i], rel_tol=1e-3), i
+
+
+# pretrain_gpt.py's own pieces, imported from the checkout (on PYTHONPATH), with a forward step
+# whose loss function reports one more value; launched as pretrain_gpt.py's __main__ does.
+CUSTOM_SCRIPT = '''\
+"""pretrain_gpt.py with a loss function that also reports twice the lm loss."""
+from functools import partial
+
+import torch
+
+import pretrain_gpt
+from megatron.core.enums import ModelType
+from megatron.training import pretrain
+
+
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model,
+                                                         return_schedule_plan)
+
+    def loss_func_reporting_x2(output_tensor):
+        loss, num_tokens, report = loss_func(output_tensor)
+        numerator, denominator = report["lm loss"]   # Megatron's [sum, tokens]
+        report["lm loss x2"] = torch.stack([2 * numerator, denominator])
+        return loss, num_tokens, report
+
+    return output_tensor, loss_func_reporting_x2
+
+
+if __name__ == "__main__":
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+    )
+'''
+
+_X2 = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*\blm loss x2: ([-+0-9.Ee]+) \|")
+_X2_EVALUATION = re.compile(r"validation loss at iteration (\d+)(?: on (\w+) set)? \|.*"
+                            r"\blm loss x2 value: ([-+0-9.Ee]+) \|")
+
+
+def test_a_custom_forward_step_reports_an_extra_value(runs):
+    script = runs.dir / "custom_pretrain_gpt.py"
+    script.write_text(textwrap.dedent(CUSTOM_SCRIPT))
+    custom, evaluations = {}, {}
+    for name, extra in (("plain", []), ("plugin", ["--snake-offload"])):
+        run = runs.get(f"custom_{name}", *FLAGS, *extra, script=script,
+                       pythonpath=runs.checkout).check()
+        custom[name] = {int(m.group(1)): float(m.group(2)) for m in _X2.finditer(run.output)}
+        assert sorted(custom[name]) == list(range(1, 11)), run.output[-4000:]
+        for i, x2 in custom[name].items():
+            assert math.isclose(x2, 2 * run.losses[i], rel_tol=2e-6), (name, i)
+        evaluations[name] = {(int(m.group(1)), m.group(2) or ""): float(m.group(3))
+                             for m in _X2_EVALUATION.finditer(run.output)}
+        assert set(evaluations[name]) == {(5, ""), (10, ""), (10, "validation"), (10, "test")}
+        # The rest is pretrain_gpt.py's: the same numbers as the plain run of the checkout's script.
+        assert_same_numbers(run, runs.plain())
+    for i in range(1, 11):
+        assert close(custom["plugin"][i], custom["plain"][i]), \
+            f"iteration {i}: lm loss x2 {custom['plugin'][i]} against {custom['plain'][i]}"
+    for key, x2 in evaluations["plain"].items():
+        assert close(evaluations["plugin"][key], x2), f"evaluation {key}: lm loss x2"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--snake-offload", "--recompute-granularity", "full"], "--recompute-granularity"),
+    (["--snake-offload", "--ckpt-format", "torch"], "--ckpt-format"),
+    (["--snake-alpha", "0.3"], "--snake-alpha"),
+], ids=["recompute_granularity", "ckpt_format_torch", "snake_alpha_without_offload"])
+def test_refusals(megatron_lm_dir, tmp_path, flags, named):
+    result = refuse_pretrain_gpt(megatron_lm_dir, tmp_path, *FLAGS, *flags)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, result.stderr[-4000:]
+    assert errors[0].startswith(f"pretrain_gpt.py: error: {named}: "), errors[0]
+    assert not parse_log(result.stdout)[0], "it trained"
