@@ -161,8 +161,8 @@ def test_one_slow_stage_adds_only_its_neighbours_fill_and_drain(groups):
     """Two stages, worked by hand. The last stage slow: the first stage's forward fills the
     pipe and its backward drains it, n(f1 + b1) + f0 + b0. The first stage slow: 1F1B hides
     the last stage's group (g1) behind the first one's second forward and its last backward,
-    so it adds only what g1 takes beyond each. The old model (the slowest stage times
-    (n + 1)/n) over-predicts both."""
+    so it adds only what g1 takes beyond each. A cruder model, the slowest stage times
+    (n + 1)/n, over-predicts both."""
     f0, b0, f1, b1 = 0.2, 0.4, 0.5, 1.0
     slow_last = groups * (f1 + b1) + f0 + b0
     assert one_f_one_b([f0, f1], [b0, b1], groups) == pytest.approx(slow_last)

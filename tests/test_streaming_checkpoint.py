@@ -1,4 +1,4 @@
-"""Streaming checkpoints (issue "Bigger than memory"): an offloaded run's --save reads each
+"""Streaming checkpoints, for state bigger than memory: an offloaded run's --save reads each
 layout's state (working weights, master weights, moments) from its tier, writes it and
 drops it before the next; --load puts it back the same way. Both formats: torch (a file
 per unit) and torch_dist (Megatron's files, each layout's pieces written together). Resume
