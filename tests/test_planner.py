@@ -395,3 +395,49 @@ def test_a_dry_run_with_a_profile_prints_the_prediction(megatron_world, tmp_path
     pretrain(parse_args([*SMALL, "--snake-dry-run", "--snake-hardware", "h100_8x_gen5"]))
     out = capsys.readouterr().out
     assert "> predicted on 8x H100 SXM, 8 PCIe Gen5" in out and "> pre-flight" in out
+
+
+def test_a_profile_names_its_drives_and_a_study_changes_their_number():
+    """The shipped profiles say how many drives their figures add up; ``with_drives`` is the
+    same node with more or fewer drives of that kind (rates and capacity in proportion)."""
+    assert H100.drives == 4
+    eight = H100.with_drives(8)
+    assert eight.drives == 8
+    assert eight.drive_read_Bps == pytest.approx(2 * H100.drive_read_Bps)
+    assert eight.drive_write_Bps == pytest.approx(2 * H100.drive_write_Bps)
+    assert eight.drive_capacity == pytest.approx(2 * H100.drive_capacity, rel=1e-9)
+    assert eight.with_drives(4).drive_read_Bps == pytest.approx(H100.drive_read_Bps)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="drives must be a whole number"):
+            H100.with_(drives=bad)
+
+
+def test_more_drives_shorten_the_drive_time_of_a_step():
+    """plan.py --drives: a node with twice the drives of its kind moves the same bytes in
+    half the drive time."""
+    runs = {d: json.loads(_plan(*GPT7B, "--hardware", "h100_1x_gen5", "--json", "--drives",
+                                str(d)).stdout) for d in (4, 8)}
+    assert runs[4]["drives"] == 4 and runs[8]["drives"] == 8
+    for sweep in ("forward", "backward"):
+        assert runs[8]["breakdown"][sweep]["drive"] == pytest.approx(
+            runs[4]["breakdown"][sweep]["drive"] / 2)
+    assert runs[8]["bytes"]["nvme"] == runs[4]["bytes"]["nvme"]
+    assert "--drives must be >= 1" in _plan(*GPT7B, "--hardware", "h100_1x_gen5", "--drives",
+                                            "0", check=False).stderr
+
+
+def test_the_planner_counts_the_precision_modes_bytes_and_update_rate():
+    """--use-precision-aware-optimizer with bf16 moments: the optimizer state moves 6 of 12
+    bytes per parameter, and its update takes 1 / update_rate_share of fp32's CPU time."""
+    from megatron_snake.optim.precision import UPDATE_RATE_SHARE
+    bf16 = [*SMALL, "--bf16"]
+    reduced = [*bf16, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+               "--exp-avg-sq-dtype", "bf16"]
+    hw = H100.with_(gpus_per_node=1)
+    fp32, ours = (predict(workload_from_args(parse_args(flags), VOCAB), hw, check=False)
+                  for flags in (bf16, reduced))
+    assert ours.bytes_by_kind["optim"]["nvme"][0] * 2 == fp32.bytes_by_kind["optim"]["nvme"][0]
+    assert ours.bytes_by_kind["optim"]["nvme"][1] * 2 == fp32.bytes_by_kind["optim"]["nvme"][1]
+    adam = {name: sum(p.breakdown[s]["cpu_adam"] for s in ("forward", "backward"))
+            for name, p in (("fp32", fp32), ("ours", ours))}
+    assert adam["ours"] == pytest.approx(adam["fp32"] / UPDATE_RATE_SHARE["bf16"])

@@ -1,7 +1,8 @@
 """Predict one training step of a --snake-offload run: its time, where the time goes, and the
 bytes each tier holds and moves.
 
-    python tools/plan.py <pretrain_gpt.py flags> --hardware PROFILE.json [--nodes N] [--json]
+    python tools/plan.py <pretrain_gpt.py flags> --hardware PROFILE.json [--nodes N]
+        [--drives N] [--json]
 
 The model and the parallel sizes are pretrain_gpt.py's own flags, read by its own parser;
 the world is ``--nodes`` x the profile's GPUs per node. A profile is measured by
@@ -30,6 +31,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="hardware profile JSON (tools/calibrate.py, or a name in "
                         "megatron_snake/planner/profiles/ such as h100_4x_gen4)")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the profile's kind")
+    p.add_argument("--drives", type=int, default=None,
+                   help="drives per node, of the kind the profile has (default: its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -74,8 +77,12 @@ def main(argv=None) -> int:
     ours, flags = planner_parser().parse_known_args(argv)
     if ours.nodes < 1:
         planner_parser().error("--nodes must be >= 1")
+    if ours.drives is not None and ours.drives < 1:
+        planner_parser().error("--drives must be >= 1")
     try:
         hw = load_profile(ours.hardware)
+        if ours.drives is not None:
+            hw = hw.with_drives(ours.drives)
         w = workload_for(flags, hw, ours.nodes)
         pred = predict(w, hw)
     except DoesNotFit as exc:
@@ -86,6 +93,7 @@ def main(argv=None) -> int:
         return 2
     if ours.json:
         print(json.dumps({**pred.to_dict(), "nodes": ours.nodes, "hardware": hw.name,
+                          "drives": hw.drives,
                           "settings": {"tp": w.tp, "pp": w.pp, "dp": w.dp,
                                        "micro_batches": w.micro_batches,
                                        "group_size": w.group_size, "alpha": w.alpha,

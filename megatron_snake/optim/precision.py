@@ -76,6 +76,11 @@ SCALED_RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0, FP8: 448.0}
 SCALED = tuple(SCALED_RANGE)
 
 
+# the chunked update's rate over the fused fp32 AdamW's by its slowest stored dtype
+# (tools/bench_optimizer_rate.py on one core of the CPU machine, 2026-11-26)
+UPDATE_RATE_SHARE = {"remainders": 0.325, "bf16": 0.273, "fp16": 0.114, "fp8": 0.040}
+
+
 def as_dtype(value) -> torch.dtype:
     """A dtype flag's value: Megatron-LM's name (this project's parser keeps it until
     ``validate_args``) or the torch dtype Megatron-LM's ``validate_args`` made of it."""
@@ -168,6 +173,23 @@ class Precision:
         """Bytes per parameter of a checkpoint's optimizer state (master and moments)."""
         return sum(torch.tensor([], dtype=self.checkpoint_dtype(n)).element_size()
                    for n in ("master", "exp_avg", "exp_avg_sq"))
+
+    @property
+    def update_rate_share(self) -> float:
+        """The update's rate against the fused fp32 AdamW, for the cost model: 1 when every
+        state is fp32 (the fused kernel on the stored bytes), else the chunked update's
+        share for its slowest stored dtype, measured on one core of the CPU machine
+        (tools/bench_optimizer_rate.py, docs/benchmarks.md, 2026-11-26)."""
+        if self.fp32:
+            return 1.0
+        dtypes = (self.master, self.exp_avg, self.exp_avg_sq)
+        if FP8 in dtypes:
+            return UPDATE_RATE_SHARE["fp8"]
+        if torch.float16 in dtypes:
+            return UPDATE_RATE_SHARE["fp16"]
+        if torch.bfloat16 in dtypes:
+            return UPDATE_RATE_SHARE["bf16"]
+        return UPDATE_RATE_SHARE["remainders"]
 
     def approximate(self) -> list[str]:
         """The states stored approximately, in words (empty: exact)."""

@@ -301,7 +301,7 @@ def _seconds(w: Workload, hw: Hardware, stage: int, sweep: str, t: Traffic) -> d
         "copy": t.copy / hw.pcie_Bps,
         "host": t.host_copied() / hw.host_copy_Bps,
         "drive": drive_read / drive_r + drive_written / drive_w,
-        "cpu_adam": t.adam_params / hw.cpu_adam_params_per_s,
+        "cpu_adam": t.adam_params / (hw.cpu_adam_params_per_s * w.update_rate_share),
         "dp_comm": t.dp_bytes / _bus(w, hw, w.tp * w.dp) if w.dp > 1 else 0.0,
     }
     first = _share(st.unit_params[0], w.dp) * w.elem_bytes

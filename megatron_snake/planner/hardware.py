@@ -3,7 +3,7 @@
 A profile is a JSON object of the fields below (``tools/calibrate.py`` measures this machine;
 ``megatron_snake/planner/profiles/`` has typical nodes built from public figures). Rates are
 bytes or parameters per second, capacities bytes. Drive figures are the node's total over
-its drives; the node's GPUs share them.
+its drives (``drives`` of them); the node's GPUs share them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-OPTIONAL_FIELDS = ("head_tflops", "io_compute_slowdown", "unit_visit_s", "device_tflops_alone",
+OPTIONAL_FIELDS = ("drives", "head_tflops", "io_compute_slowdown", "unit_visit_s", "device_tflops_alone",
                    "head_tflops_alone", "source")
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -50,6 +50,7 @@ class Hardware:
     #                               above were measured inside a real step (a CPU device,
     #                               whose cores the store and the AdamW share)
     source: str = ""              # how the figures were obtained
+    drives: int = 1               # the node's drives, which the drive figures add up
 
     def __post_init__(self):
         for f in fields(self):
@@ -57,6 +58,11 @@ class Hardware:
             if f.name in ("name", "source"):
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile: {f.name} must be a string")
+                continue
+            if f.name == "drives":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"hardware profile {self.name!r}: drives must be a "
+                                     f"whole number of drives, at least 1, got {value!r}")
                 continue
             if f.name in ("head_tflops", "device_tflops_alone", "head_tflops_alone") and \
                     value is None:
@@ -111,6 +117,17 @@ class Hardware:
 
     def with_(self, **changes) -> "Hardware":
         return Hardware.from_dict({**self.to_dict(), **changes})
+
+    def with_drives(self, drives: int) -> "Hardware":
+        """The same node with ``drives`` drives of the kind it has (each drive's rates and
+        capacity are the node's over ``self.drives``): a study of drives per node."""
+        if isinstance(drives, bool) or not isinstance(drives, int) or drives < 1:
+            raise ValueError(f"drives must be a whole number, at least 1, got {drives!r}")
+        k = drives / self.drives
+        return self.with_(name=f"{self.name}; {drives} drives of its kind", drives=drives,
+                          drive_read_Bps=self.drive_read_Bps * k,
+                          drive_write_Bps=self.drive_write_Bps * k,
+                          drive_capacity=int(self.drive_capacity * k))
 
 
 def load_profile(name: str, flag: str = "--hardware") -> Hardware:

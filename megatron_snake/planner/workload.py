@@ -74,6 +74,9 @@ class Workload:
     # high halves), which stay where their last read left them instead of being moved down
     # to the drive by the backward read
     update_reads_weights: bool = False
+    # the update's rate over the fused fp32 AdamW's (the profile's cpu_adam_params_per_s):
+    # below 1 for the precision-aware optimizer's chunked update (optim/precision.py)
+    update_rate_share: float = 1.0
 
     def __post_init__(self):
         for name in ("param_tier", "optimizer_tier"):
@@ -84,6 +87,9 @@ class Workload:
         if self.micro_batches % self.group_size:
             raise ValueError(f"group size {self.group_size} does not divide the "
                              f"{self.micro_batches} micro-batches")
+        if not 0 < self.update_rate_share <= 1:
+            raise ValueError(f"update_rate_share must be in (0, 1], got "
+                             f"{self.update_rate_share!r}")
         if len(self.optimizer_record_bytes) != 4 or \
                 not all(n in (1, 2, 4) for n in self.optimizer_record_bytes):
             raise ValueError("optimizer_record_bytes: 1, 2 or 4 bytes for each of master "

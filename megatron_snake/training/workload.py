@@ -70,4 +70,5 @@ def workload_from_args(args, vocab_size: int) -> Workload:
         global_batch=args.global_batch_size, sequence_parallel=args.sequence_parallel,
         optimizer_record_bytes=tuple(precision.nbytes(n) for n in
                                      ("master", "exp_avg", "exp_avg_sq", "grad")),
-        update_reads_weights=precision.remainders)
+        update_reads_weights=precision.remainders,
+        update_rate_share=precision.update_rate_share)
