@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_snake.optim import offloaded_adamw  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW, StepHyper  # noqa: E402
 from megatron_snake.optim.precision import FP8, REMAINDER, Precision  # noqa: E402
 from megatron_snake.optim.unit_params import FlatLayout, Segment, UnitParams  # noqa: E402
@@ -119,58 +120,80 @@ def main(argv=None) -> int:
                     help="hidden size of the layer updated (12.6M parameters at 1024)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every mode, alternating")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--chunk-elements", type=int, nargs="+",
+                    default=[offloaded_adamw.CHUNK_ELEMENTS],
+                    help="the chunked update's scratch batch (elements, multiples of "
+                         f"{offloaded_adamw.LANE_ELEMENTS}); several: each precision-aware "
+                         "mode at each, alternating (default: CHUNK_ELEMENTS)")
     ap.add_argument("--json-out", default="bench_optimizer_rate.json")
     a = ap.parse_args(argv)
+    for c in a.chunk_elements:
+        if c <= 0 or c % offloaded_adamw.LANE_ELEMENTS:
+            ap.error(f"--chunk-elements {c}: a positive multiple of "
+                     f"{offloaded_adamw.LANE_ELEMENTS}")
+    # (label, mode, chunk elements): fp32 runs the fused kernel, which has no chunks
+    variants = []
+    for mode in a.modes:
+        chunks = [None] if MODES[mode].fp32 else a.chunk_elements
+        for c in chunks:
+            label = mode if c is None or len(a.chunk_elements) == 1 else f"{mode} @ {c}"
+            variants.append((label, mode, c))
 
     params = layer_layout(a.hidden)
     numel = params.units[0].numel
-    runs: dict = {mode: [] for mode in a.modes}
+    runs: dict = {label: [] for label, _, _ in variants}
+    default_chunk = offloaded_adamw.CHUNK_ELEMENTS
     with tempfile.TemporaryDirectory() as tmp, \
             TensorStore(tmp, rank=0, host_memory_limit=1 << 30) as store:
         opts, lent = {}, {}
-        for mode in a.modes:
+        for label, mode, _ in variants:
             # alpha 0: one part holds the layout; the records stay small, on no drive
-            opts[mode] = OffloadedAdamW(params, store, lr=1e-4, weight_decay=0.1, alpha=0.0,
-                                        tier="host", precision=MODES[mode],
-                                        initial=Initial(numel), weight_records=False)
+            opts[label] = OffloadedAdamW(params, store, lr=1e-4, weight_decay=0.1, alpha=0.0,
+                                         tier="host", precision=MODES[mode],
+                                         initial=Initial(numel), weight_records=False)
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 for part in PARTS:
                     store.delete((name, 0, part))   # only the lent copies below are used
-            lent[mode] = states(opts[mode], MODES[mode], numel)
+            lent[label] = states(opts[label], MODES[mode], numel)
         store.synchronize()
         for rnd in range(a.rounds + 1):          # round 0 warms up (scratch, page faults)
-            for mode in a.modes:
-                opt, hyper = opts[mode], StepHyper(rnd + 1, 1e-4, 0.1)
+            for label, mode, chunk in variants:
+                opt, hyper = opts[label], StepHyper(rnd + 1, 1e-4, 0.1)
+                # each optimizer sizes its scratch at its first update, at this chunk
+                offloaded_adamw.CHUNK_ELEMENTS = chunk or default_chunk
                 t0 = time.perf_counter()
                 if MODES[mode].fp32:
-                    opt._update_in_place(0, "bwd", hyper, None, lent[mode])
+                    opt._update_in_place(0, "bwd", hyper, None, lent[label])
                 else:
-                    opt._update_chunked(0, "bwd", hyper, None, lent[mode])
+                    opt._update_chunked(0, "bwd", hyper, None, lent[label])
                 seconds = time.perf_counter() - t0
                 if rnd:
-                    runs[mode].append(seconds)
+                    runs[label].append(seconds)
+        offloaded_adamw.CHUNK_ELEMENTS = default_chunk
         for opt in opts.values():
             opt.close()
 
     result = {"machine": platform.node(), "processor": platform.processor(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "hidden": a.hidden, "params": numel, "rounds": a.rounds, "modes": {}}
-    base = statistics.median(runs[a.modes[0]]) if a.modes else 1.0
-    for mode in a.modes:
-        median = statistics.median(runs[mode])
+              "hidden": a.hidden, "params": numel, "rounds": a.rounds,
+              "chunk_elements": a.chunk_elements, "modes": {}}
+    labels = [label for label, _, _ in variants]
+    base = statistics.median(runs[labels[0]]) if labels else 1.0
+    for label, mode, chunk in variants:
+        median = statistics.median(runs[label])
         nbytes = bytes_per_param(MODES[mode])
-        result["modes"][mode] = {
-            "seconds": runs[mode], "median_s": median, "params_per_s": numel / median,
+        result["modes"][label] = {"mode": mode, "chunk_elements": chunk,
+            "seconds": runs[label], "median_s": median, "params_per_s": numel / median,
             "bytes_per_param": nbytes, "gb_per_s": numel * nbytes / median / 1e9,
             "params_per_s_ratio_to_first": base / median}
-        print(f"{mode:42s} {median * 1e3:8.1f} ms  {numel / median / 1e6:7.1f} M params/s "
+        print(f"{label:52s} {median * 1e3:8.1f} ms  {numel / median / 1e6:7.1f} M params/s "
               f"{numel * nbytes / median / 1e9:6.2f} GB/s of state ({nbytes} B/param)")
     with open(a.json_out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {a.json_out}")
-    for mode in a.modes[1:]:   # ratios last: params/s of the mode over fp32's
-        print(f"rate {mode} / {a.modes[0]}: "
-              f"{result['modes'][mode]['params_per_s_ratio_to_first']:.3f}")
+    for label in labels[1:]:   # ratios last: params/s of the mode over fp32's
+        print(f"rate {label} / {labels[0]}: "
+              f"{result['modes'][label]['params_per_s_ratio_to_first']:.3f}")
     return 0
 
 

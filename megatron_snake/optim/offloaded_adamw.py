@@ -63,9 +63,11 @@ PARTS = ("bwd", "fwd")
 # split) or bridged (a host buffer's edge).
 LANE_ELEMENTS = 16
 # Elements per fp32 scratch batch of the chunked (precision-aware) update: a multiple of
-# LANE_ELEMENTS, so a piece cut into chunks is rounded as the whole piece; four fp32 buffers
-# of it (1 MiB each) stay in the core's cache.
-CHUNK_ELEMENTS = 1 << 16
+# LANE_ELEMENTS, so a piece cut into chunks is rounded as the whole piece. 2^18 (four fp32
+# buffers of 1 MiB) was the fastest of 2^16 to 2^21 on the CPU machine (tools/
+# bench_optimizer_rate.py --chunk-elements): smaller batches pay each torch op's fixed cost
+# more often, larger ones fall out of the cache.
+CHUNK_ELEMENTS = 1 << 18
 
 
 def part_bounds(lay: FlatLayout, alpha: float, dp: DataParallel = DataParallel()):
@@ -916,8 +918,14 @@ class OffloadedAdamW(HostAdamW):
         if batch:
             yield batch
 
+    @staticmethod
+    def scratch_bytes() -> int:
+        """Host memory of the chunked update's scratch buffers (5.5 MiB at 2^18 elements):
+        fp32 master, moments and gradient, the int16 remainder and its int32 working copy."""
+        return (4 * 4 + 2 + 4) * CHUNK_ELEMENTS
+
     def _scratch_buffers(self) -> dict:
-        if self._scratch is None:   # made on the worker, kept for the run (4.5 MiB)
+        if self._scratch is None:   # made on the worker, kept for the run (scratch_bytes())
             self._scratch = {name: torch.empty(CHUNK_ELEMENTS, dtype=torch.float32)
                              for name in STATES + ("grad",)}
             self._scratch["rem"] = torch.empty(CHUNK_ELEMENTS, dtype=REMAINDER)
