@@ -13,8 +13,9 @@ Every run is the one pretrain_gpt builds (``build_run``), on random tokens, in t
   so that the training state (bf16 weights 2 + fp32 gradient 4 + fp32 master weights and
   Adam moments 12 bytes per parameter) is ``--state-ratios`` (3 and 10) times the memory
   given; ``--snake-gpu-memory-limit`` tells the run half of that memory, at most all but
-  1.25 GiB (units pinned on the device within it; the rest is left for the activations
-  inside a unit and the logits), and is left out where that is under 1 GiB (at 10x).
+  1.75 GiB (units pinned on the device within it; the rest is left for the activations
+  inside a unit, attention's scores without flash attention and the logits' fp32 copies),
+  and is left out where that is under 1 GiB.
   Weights, optimizer state and unit inputs on the host tier by default (``--snake-flags``):
   this VM's drive moves 2-3 GB/s, which no batch that fits the time box would hide.
 
@@ -32,10 +33,14 @@ offloaded tokens/s / Megatron's, with full recompute and without.
 The batch: the saturating one, the fewest micro-batches whose compute covers the state's
 per-step traffic and optimizer: M = ceil(margin x F / c), where c is Megatron's step with
 full recompute per micro-batch (measured on its run first: a probe step) and F the larger
-of the CPU AdamW over every parameter (``calibration.adamw_rate``) and the bytes the step
-moves over the host link (weights in both sweeps, fp32 gradients back) at the measured
-pinned copy rate; at most what fits ``--max-step-s`` per Megatron step. ``--micro-batches``
-sets M instead.
+of the offloaded run's own update time per step (a probe: an offloaded run at 3x of
+--probe-mb micro-batches, one warm-up and one timed step) and the bytes the step moves over
+the host link (weights in both sweeps, fp32 gradients back) at the measured pinned copy
+rate; at most what fits ``--max-step-s`` per Megatron step. The update is measured, not
+taken from ``calibration.adamw_rate``: on an H200 the fused AdamW alone ran at 4.2G
+parameters/s, the run's update (unscale and clip, AdamW, the new bf16 weights) at 1.3G,
+and the M chosen from the former left the optimizer exposed. ``--micro-batches`` sets M
+instead (no probe).
 
 The model (``size_model``): hidden 2048, 16 heads, sequence 2048, micro-batch 1, vocabulary
 32768, bf16, untied embeddings; the most layers (a multiple of 4, at most ``--max-layers``
@@ -81,6 +86,10 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+# Both systems' runs in this process allocate with expandable segments (what memory-bound
+# Megatron-LM runs set): at 10x the offloaded run's few GiB went out of memory on an H200
+# with 0.45 GiB reserved in blocks too small to reuse.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
@@ -279,8 +288,9 @@ def megatron_run(a, device, layers: int, num_mb: int | None, modes, probe: bool)
 
 
 def offloaded_run(a, device, layers: int, num_mb: int, ratio: float, sizing: dict,
-                  root: str) -> dict:
-    """--snake-offload under a memory fraction giving state / memory given = ratio."""
+                  root: str, warmup: int | None = None, steps: int | None = None) -> dict:
+    """--snake-offload under a memory fraction giving state / memory given = ratio;
+    ``warmup`` and ``steps`` default to --warmup and --steps."""
     from megatron_snake.training.arguments import parse_args
     from megatron_snake.training.build import build_run
 
@@ -306,7 +316,9 @@ def offloaded_run(a, device, layers: int, num_mb: int, ratio: float, sizing: dic
         with build_run(args, device, a.vocab, log=lambda line: None) as run:
             try:
                 out["build_s"] = time.perf_counter() - t0
-                r = timed_steps(run, a, device, num_mb, a.warmup, a.steps, seed0=0)
+                r = timed_steps(run, a, device, num_mb,
+                                a.warmup if warmup is None else warmup,
+                                a.steps if steps is None else steps, seed0=0)
                 out.update(figures(a, layers, num_mb, r))
             finally:
                 release_gradient_hooks(run.model)
@@ -349,6 +361,18 @@ def calibrate(a, device, sizing: dict) -> dict:
     link_s = max(2 * elem * n, 4 * n) / link
     return {"adamw_params_per_s": adamw, "link_bytes_per_s": link, "adamw_s": adamw_s,
             "link_s": link_s, "state_s": max(adamw_s, link_s)}
+
+
+def probe_update(a, device, layers: int, sizing: dict, root: str, calib: dict) -> dict:
+    """The offloaded run's own update seconds per step (a short run at the first state
+    ratio): F becomes the larger of it and the link's time (``calibrate``)."""
+    r = offloaded_run(a, device, layers, a.probe_mb, a.state_ratios[0], sizing, root,
+                      warmup=1, steps=1)
+    probe = {"micro_batches": a.probe_mb, "update_s": r.get("update_s"),
+             "step_s": (r.get("step_s") or [None])[0], "error": r.get("error")}
+    if r.get("update_s"):
+        calib["state_s"] = max(calib["link_s"], r["update_s"])
+    return probe
 
 
 def saturating_m(a, state_s: float, per_mb_s: float) -> tuple[int, dict]:
@@ -464,6 +488,15 @@ def compare(a, device) -> int:
     distributed.initialize(device=device, seed=1234)
     calib = calibrate(a, device, sizing)
     report["saturation"] = {"calibration": calib}
+    if not a.micro_batches:
+        t0 = time.perf_counter()
+        probe = probe_update(a, device, layers, sizing, root, calib)
+        report["saturation"]["offloaded_probe"] = probe
+        write()
+        print(f"> probe offloaded ({time.perf_counter() - t0:.0f} s, M {a.probe_mb}): update "
+              f"{fmt(probe['update_s'])} s a step, link {calib['link_s']:.3f} s, AdamW alone "
+              f"{calib['adamw_s']:.3f} s" + (f"; {probe['error']}" if probe["error"] else ""),
+              flush=True)
 
     def choose_m(per_mb_s):
         m, how = saturating_m(a, calib["state_s"], per_mb_s)
@@ -615,7 +648,7 @@ def parser() -> argparse.ArgumentParser:
                    help="training state / device memory given, one offloaded run each")
     p.add_argument("--limit-share", type=float, default=0.5,
                    help="--snake-gpu-memory-limit as a share of the memory given (0: none)")
-    p.add_argument("--headroom-gib", type=float, default=1.25,
+    p.add_argument("--headroom-gib", type=float, default=1.75,
                    help="memory given kept out of --snake-gpu-memory-limit")
     p.add_argument("--snake-flags", default="--snake-param-tier host --snake-optimizer-tier "
                    "host --snake-activation-tier host",

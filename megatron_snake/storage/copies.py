@@ -47,9 +47,21 @@ def contiguous(t):
     return t if t.is_contiguous() else bits(t).contiguous().view(t.dtype)
 
 
+@contextlib.contextmanager
 def on_stream(stream):
-    """torch.cuda.stream(stream), or nothing when there is no copy stream (CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    """Make ``stream`` this thread's current stream on its device for the block (nothing
+    when there is no copy stream: CPU). Not ``torch.cuda.stream``: that asks
+    ``torch.cuda.current_device``, which a process also running Megatron on the CPU has
+    replaced (megatron_snake.compat); every call here names the stream's own device."""
+    if stream is None:
+        yield
+        return
+    previous = torch.cuda.current_stream(stream.device)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def host_event():
