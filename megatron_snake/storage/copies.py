@@ -64,6 +64,14 @@ def on_stream(stream):
         torch.cuda.set_stream(previous)
 
 
+def empty_on(device: torch.device, shape, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` on ``device`` itself, past any torch-function mode: in a process that
+    also runs Megatron on the CPU, the thread that does maps device="cuda" to the CPU
+    (megatron_snake.compat), and the store's buffers must still be on its GPU."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
 def host_event():
     """A CUDA event the host can wait on without spinning a core (the store's workers wait
     on copies while the main thread and the optimizer need the CPU)."""
@@ -205,7 +213,7 @@ class Copies:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor on the device for a copy stream's copies (made on the "h2d" one)."""
         with on_stream(self.h2d):
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return empty_on(self.device, shape, dtype)
 
     def new_buffer(self, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
         """``TensorStore.new_buffer``: on a GPU made on the copy stream and marked as used
@@ -215,6 +223,6 @@ class Copies:
             return torch.empty(shape, dtype=dtype, device=device)
         caller = torch.cuda.current_stream(self.device)
         with on_stream(self.h2d):
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            buf = empty_on(self.device, shape, dtype)
         buf.record_stream(caller)
         return buf
