@@ -57,7 +57,7 @@ tools/gpu_check.sh gives it.
 batch and 3x memory fraction (read from ``--from`` the headline's JSON) with
 ``tools/gpu_trace.py``'s profiler and analysis: DIR/trace.json.gz, gaps.json (the GPU's
 idle share and every gap over ``--gap-ms`` with what the host did), timeline.png; the last
-line is ``gpu idle fraction: X``.
+line is ``gpu idle fraction: X (no kernel running: Y)``.
 
 ``--device cpu`` (the default without CUDA) runs the same code on tiny sizes as a smoke
 test (no memory fraction: a CPU has none), e.g. ``tools/gpu_check.sh``'s dry run:
@@ -428,8 +428,7 @@ def trace(a, device) -> int:
     except Exception as exc:  # noqa: BLE001 - the figures matter more than the picture
         print(f"> no timeline.png: {exc}", flush=True)
     gpu_trace.print_table(r, 15)
-    print(f"gpu idle fraction: {r['idle_fraction']:.4f}"
-          + (" (CPU smoke test)" if device.type != "cuda" else ""))
+    print(gpu_trace.idle_line(r))
     return 0
 
 
