@@ -163,3 +163,64 @@ def test_a_failing_drive_is_named_and_the_other_records_stay(dirs, monkeypatch):
         before = _used(s, dirs[0]) + _used(s, dirs[1])
         s.delete("more").wait()       # the failed write's extents were freed, on both drives
         assert _used(s, dirs[0]) + _used(s, dirs[1]) == before
+
+
+# ---------------------------------------------------------------- the flag
+
+def _parse(*flags):
+    from megatron_snake.training.arguments import parse_args
+
+    return parse_args(["--snake-offload", *flags])
+
+
+def test_the_flag_takes_a_comma_separated_list_of_templates(monkeypatch):
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    args = _parse("--snake-offload-dir", "/nvme0/off/{local_rank},/nvme1/off/r{rank}")
+    assert offload_dirs_for_rank(args.snake_offload_dir, 5) == ["/nvme0/off/1", "/nvme1/off/r5"]
+
+
+@pytest.mark.parametrize("value, why", [
+    ("/nvme0/a,,/nvme1/a", "has an empty entry"),
+    ("/nvme0/a,", "has an empty entry"),
+    ("/nvme0/a,/nvme1/a,/nvme0/a/", "names one directory more than once (/nvme0/a, /nvme0/a/)"),
+])
+def test_the_flag_refuses_an_empty_or_repeated_entry_in_one_line(value, why, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--snake-offload-dir", value)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.startswith(f"pretrain_gpt.py: error: --snake-offload-dir {value!r} {why}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_a_directory_repeated_once_filled_in_is_refused_naming_the_flag(monkeypatch):
+    from megatron_snake.errors import FlagError
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(FlagError, match=r"^--snake-offload-dir '/n/\{local_rank\},/n/0': rank 0 "
+                       r"gets one directory more than once \(/n/0, /n/0\)"):
+        offload_dirs_for_rank("/n/{local_rank},/n/0", 0)
+
+
+def test_the_preflight_has_a_line_and_a_check_for_each_directory(dirs):
+    from megatron_snake.training import preflight
+    from megatron_snake.storage.sizes import size
+
+    args = _parse("--snake-offload-dir", ",".join(map(str, dirs)))
+    pf = preflight.estimate(args, 384)
+    assert pf.offload_paths == tuple(map(str, dirs))
+    share = -(-pf.drive_striped // 2) + pf.buffer_bytes
+    assert [pf.drive_planned_in(i) for i in range(2)] == [share, share]
+    lines = pf.summary([1 << 40, 1 << 20]).splitlines()
+    drive = [x for x in lines if x.startswith("> pre-flight drive")]
+    assert [x.split(":")[0] for x in drive] == [
+        f"> pre-flight drive {i + 1} of 2, --snake-offload-dir {d}" for i, d in enumerate(dirs)]
+    assert all(f"{size(share)} planned (a 1/2 share of the striped" in x for x in drive)
+    with pytest.raises(CapacityError) as exc:
+        preflight.check(pf, args, [1 << 40, 1 << 20])     # the second has 1 MiB free
+    assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]}: the run needs "
+                                     f"{size(pf.drive_needed_in(1))} of drive space there")
+    preflight.check(pf, args, [1 << 40, 1 << 40])
