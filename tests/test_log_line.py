@@ -175,7 +175,7 @@ def test_an_untied_models_preflight_never_says_tied():
     untied = parse_args(["--snake-offload", "--untie-embeddings-and-output-weights",
                          "--snake-gpu-memory-limit", "1KiB"])
     pf = preflight.estimate(untied, VOCAB)
-    assert "tied" not in pf.summary(10 << 30), pf.summary()
+    assert "tied" not in pf.summary([10 << 30]), pf.summary()
     with pytest.raises(ValueError) as refused:
         preflight.check(pf, untied, None)
     assert "working set" in str(refused.value) and "tied" not in str(refused.value)

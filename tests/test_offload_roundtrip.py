@@ -150,7 +150,7 @@ def test_tiers_move_and_replace(tmp_path):
         assert s.pool.resident == 0
         s.put("k", b, tier="host").wait()                 # replaces: nvme extents freed
         assert s.tiers("k") == ["host"] and torch.equal(s.get("k").wait(), b)
-        assert sum(f.used for f in s._drive.files.values()) == 0
+        assert sum(f.used for d in s._drive.drives for f in d.files.values()) == 0
         s.delete("k").wait()
         assert "k" not in s and s.pool.resident == 0
         with pytest.raises(KeyError, match="no key"):
@@ -184,7 +184,7 @@ def test_synchronize_waits_for_deletes(tmp_path):
         threading.Timer(0.2, gate.set).start()
         s.synchronize()
         assert s.pool.resident == 0 and s.pool.in_use == 0
-        assert sum(f.used for f in s._drive.files.values()) == 0
+        assert sum(f.used for d in s._drive.drives for f in d.files.values()) == 0
 
 
 def test_a_read_result_is_freed_when_the_caller_drops_it(tmp_path):

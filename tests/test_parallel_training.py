@@ -222,11 +222,11 @@ def test_default_group_size_keeps_at_least_4_groups_per_extra_stage(micro_batche
 
 
 def test_offload_dir_template_fields(monkeypatch):
-    from megatron_snake.training.offloaded_state import offload_dir_for_rank
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
 
     monkeypatch.setenv("GROUP_RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert offload_dir_for_rank("/nvme/{node}/{local_rank}/r{rank}", 13) == "/nvme/3/1/r13"
-    assert offload_dir_for_rank("/plain/dir", 5) == "/plain/dir"
+    assert offload_dirs_for_rank("/nvme/{node}/{local_rank}/r{rank}", 13) == ["/nvme/3/1/r13"]
+    assert offload_dirs_for_rank("/plain/dir", 5) == ["/plain/dir"]
     with pytest.raises(ValueError, match=r"--snake-offload-dir.*\{node\}"):
-        offload_dir_for_rank("/nvme/{nodes}", 0)
+        offload_dirs_for_rank("/nvme/{nodes}", 0)

@@ -295,7 +295,7 @@ def test_175b_is_decided_in_seconds_with_little_memory(tmp_path):
     assert abs(float(needed) - float(free_s) - float(short)) < 0.015
     assert float(short) > 0
     # with a drive large enough the same plan is accepted
-    preflight.check(pf, args, 10 * pf.drive_needed)
+    preflight.check(pf, args, [10 * pf.drive_needed])
 
 
 # --- refusals before the model is built -----------------------------------------------------
@@ -380,7 +380,7 @@ def test_dry_run_prints_the_estimate_and_builds_nothing(megatron_world, tmp_path
     assert pretrain(args) == []
     out = capfd.readouterr().out
     pf = preflight.estimate(args, 384)
-    assert pf.summary(preflight.drive_free_bytes(str(tmp_path))) in out
+    assert pf.summary([preflight.drive_free_bytes(str(tmp_path))]) in out
     for label in ("> pre-flight (", "> pre-flight device: ", "> pre-flight host: ",
                   "> pre-flight drive, "):
         assert label in out, out

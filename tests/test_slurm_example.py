@@ -13,7 +13,7 @@ import subprocess
 import time
 
 from megatron_snake.training.arguments import parse_args
-from megatron_snake.training.offloaded_state import offload_dir_for_rank
+from megatron_snake.training.offloaded_state import offload_dirs_for_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.slurm")
@@ -88,7 +88,7 @@ def test_slurm_script_launches_one_torchrun_per_node_with_flags_that_parse(
         dirs = set()
         for local_rank in range(gpus):
             monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-            path = offload_dir_for_rank(args.snake_offload_dir, node * gpus + local_rank)
+            path, = offload_dirs_for_rank(args.snake_offload_dir, node * gpus + local_rank)
             assert path == str(tmp_path / "nvme" / str(node) / str(local_rank))
             assert os.path.isdir(path)
             dirs.add(path)

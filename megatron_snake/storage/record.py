@@ -21,7 +21,8 @@ class Record:
     gpu: object = None           # tiers/device.py: a tensor on the compute device
     host: list = None            # tiers/host.py: [HostBuffer] (record format: header + payload)
     sealed: bool = False         # tiers/host.py: the host buffers' headers carry checksums
-    nvme: list = None            # tiers/drive.py: [(offset, length)] in the kind's swap file
+    nvme: list = None            # tiers/drive.py: [(DriveDir, offset, length)] in the
+                                 # kind's swap file of each segment's directory
     gds: bool = False            # tiers/gds.py: the drive's copy is one GPUDirect record
     source: object = None        # the put's source while the put is running (forwarding)
     ready: object = None         # the source's producer's event (the copy strategy's)

@@ -1,5 +1,6 @@
 """TensorStore: the per-rank tensor store with three tiers, gpu (the compute device),
-host (buffers of the pinned host pool) and nvme (swap files in `<offload-dir>/rank<N>/`).
+host (buffers of the pinned host pool) and nvme (swap files in `<offload-dir>/rank<N>/`,
+striped over several offload directories when it is given a list: one per drive).
 
     with TensorStore(offload_dir, rank=0, host_memory_limit=4 << 30) as store:
         store.put(("w", 3), tensor, tier="nvme").wait()     # async: returns a Handle
@@ -123,9 +124,10 @@ class TensorStore:
                  device=None, buffer_bytes=DEFAULT_BUFFER_BYTES, queue_depth=32, io_threads=4,
                  workers=4, chunk_bytes=1 << 20, free_space_probe=None, write_probe=None,
                  pin_memory=None, max_queued_bytes=None, copies=None):
-        """``copies``: the copy strategy the tiers are handed (copies.py); by default the
-        device's own, which follows the emulated device's clock while a benchmark runs one
-        (``emulated_device.EmulatedCopies``)."""
+        """``offload_dir``: a directory, or a list of them (one per drive: the drive tier is
+        striped over them). ``copies``: the copy strategy the tiers are handed (copies.py);
+        by default the device's own, which follows the emulated device's clock while a
+        benchmark runs one (``emulated_device.EmulatedCopies``)."""
         self.run_id = uuid.uuid4().bytes
         self.device = torch.device(device) if device is not None else default_device()
         dir_kwargs = {}
@@ -140,6 +142,7 @@ class TensorStore:
         self._drive = open_drive(offload_dir, rank, self.run_id, self.copies, self.counters,
                                  engine, queue_depth, io_threads, chunk_bytes, **dir_kwargs)
         self.dir, self.engine, self.gds = self._drive.dir, self._drive.engine, self._drive.gds
+        self.dirs = [d.dir for d in self._drive.drives]   # every rank directory, dir first
         self._closed = False
         try:
             self.pool = HostBufferPool(host_memory_limit, buffer_bytes, pin_memory)

@@ -157,8 +157,9 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
             state = offloaded_state.build_offloaded_state(args, unwrap_model(gpt), tensor_store,
                                                           device, initial=initial)
             log(state.summary(args))
-            log(f"> offload directory {tensor_store.dir.path}, I/O engine "
-                f"{tensor_store.engine.name}")
+            paths = ", ".join(d.path for d in tensor_store.dirs)
+            log(f"> offload director{'ies' if len(tensor_store.dirs) > 1 else 'y'} {paths}, "
+                f"I/O engine {tensor_store.engine.name}")
             model, optimizer = gpt, state.optimizer
             scheduler = (make_scheduler or (lambda o: build_scheduler(args, o)))(optimizer)
             config.grad_scale_func = optimizer.scale_loss if args.fp16 else None

@@ -28,6 +28,7 @@ from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
 from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed
+from megatron_snake.training.snake_args import split_offload_dirs
 
 def tier_label(tier: str) -> str:
     """A tier's name in what a run prints: the store's ``gpu`` tier is the compute device
@@ -71,10 +72,10 @@ def open_store(args, device: torch.device, rank: int):
         sweep_dead_temp_offload_dirs()
         made = make_temp_offload_dir()
     try:
-        root = made or offload_dir_for_rank(args.snake_offload_dir, rank)
+        roots = [made] if made else offload_dirs_for_rank(args.snake_offload_dir, rank)
         store, error = None, None
         try:
-            store = TensorStore(root, rank=rank, device=device, engine=args.snake_io_engine,
+            store = TensorStore(roots, rank=rank, device=device, engine=args.snake_io_engine,
                                 host_memory_limit=args.snake_host_memory_limit)
         except (OSError, ValueError, RuntimeError) as exc:
             error = exc
@@ -86,14 +87,25 @@ def open_store(args, device: torch.device, rank: int):
             shutil.rmtree(made, ignore_errors=True)
 
 
-def offload_dir_for_rank(template: str, rank: int) -> str:
-    """``--snake-offload-dir`` with {node}, {hostname}, {rank} and {local_rank} filled in."""
-    try:
-        return template.format(node=distributed.node_index(), hostname=socket.gethostname(),
-                               rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-    except (KeyError, IndexError, ValueError) as exc:
-        raise FlagError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
-                        "fields are {node}, {hostname}, {rank} and {local_rank}") from None
+def offload_dirs_for_rank(value: str, rank: int) -> list[str]:
+    """``--snake-offload-dir``'s directories (a comma-separated list: the store is striped
+    over them), each with {node}, {hostname}, {rank} and {local_rank} filled in; one named
+    twice (once filled in) is refused."""
+    fields = dict(node=distributed.node_index(), hostname=socket.gethostname(), rank=rank,
+                  local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    dirs = []
+    for template in split_offload_dirs(value):
+        try:
+            dirs.append(template.format(**fields))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise FlagError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
+                            "fields are {node}, {hostname}, {rank} and {local_rank}") from None
+    real = [os.path.realpath(d) for d in dirs]
+    twice = [d for d, r in zip(dirs, real) if real.count(r) > 1]
+    if twice:
+        raise FlagError(f"--snake-offload-dir {value!r}: rank {rank} gets one directory more "
+                        f"than once ({', '.join(twice)}); give each drive's directory once")
+    return dirs
 
 
 class StoreMeter:
@@ -540,7 +552,7 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
             planned += initial.nbytes
         saved = checkpoint_bytes_planned(
             args, full_numel * elem, Precision.from_args(args).checkpoint_bytes * numel) \
-            if saves_to_offload_drive(args, store.dir.path) else 0
+            if any(saves_to_offload_drive(args, d.path) for d in store.dirs) else 0
         try:
             capacity = store.check_capacity(planned + saved)
         except CapacityError as exc:

@@ -36,7 +36,7 @@ from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, ch
                                                      checkpoint_bytes_per_step,
                                                      checkpoint_bytes_planned,
                                                      host_buffers_needed, nvme_bytes,
-                                                     offload_dir_for_rank,
+                                                     offload_dirs_for_rank,
                                                      optimizer_bytes_per_param,
                                                      resolve_state_tiers,
                                                      saves_to_offload_drive, units_to_pin,
@@ -215,8 +215,9 @@ class Preflight:
     nvme_initial: int            # the initial weights: spilled while Megatron builds the model
                                  # (InitialWeights), held until the state is made from them
     checkpoints: int             # every --save checkpoint the run keeps (0 without --save)
-    checkpoints_on_drive: bool   # --save is on the offload drive: they count there
-    offload_path: str            # the offload directory (this rank's), or the temporary one
+    checkpoints_on: int | None   # the offload directory --save shares a file system with
+                                 # (its index): they count there
+    offload_paths: tuple         # the offload directories (this rank's), or the temporary one
     offload_dir_given: bool
     pool_why: str = "given by --snake-host-memory-limit"   # where pool_bytes comes from
     precision: Precision = Precision()   # the dtype each optimizer state is stored in
@@ -251,23 +252,48 @@ class Preflight:
         return self.pool_bytes + self.host_working_set
 
     @property
+    def checkpoints_on_drive(self) -> bool:
+        return self.checkpoints_on is not None
+
+    @property
     def drive_planned(self) -> int:
+        """What the run places on the drives, all directories together."""
+        return self.drive_striped + (self.checkpoints if self.checkpoints_on_drive else 0)
+
+    @property
+    def drive_striped(self) -> int:
+        """What the store places on the drives, striped over the directories."""
         return self.nvme_weights + self.nvme_optimizer + self.nvme_gradients + \
-            self.nvme_unit_inputs + self.nvme_initial + \
-            (self.checkpoints if self.checkpoints_on_drive else 0)
+            self.nvme_unit_inputs + self.nvme_initial
 
     @property
     def drive_needed(self) -> int:
-        """Free space the offload directory asks for (``RankDir.check_capacity``'s margin)."""
-        planned = self.drive_planned
+        """Free space the offload directories ask for, together."""
+        return sum(self.drive_needed_in(i) for i in range(len(self.offload_paths)))
+
+    def drive_planned_in(self, i: int) -> int:
+        """What directory ``i`` holds: the store's records are striped over the directories
+        in equal shares (one segment more for the rounding: ``DriveTier._share``), and the
+        --save checkpoints count where they are."""
+        n = len(self.offload_paths)
+        striped = self.drive_striped
+        share = striped if n == 1 else -(-striped // n) + self.buffer_bytes
+        return share + (self.checkpoints if self.checkpoints_on == i else 0)
+
+    def drive_needed_in(self, i: int) -> int:
+        """Free space directory ``i`` asks for (``RankDir.check_capacity``'s margin)."""
+        planned = self.drive_planned_in(i)
         return int(planned * (1 + directory.MARGIN_FRACTION)) + directory.MARGIN_BYTES \
             if planned else 0
 
-    def drive_label(self) -> str:
-        return (f"--snake-offload-dir {self.offload_path}" if self.offload_dir_given else
-                f"the temporary directory {self.offload_path} (no --snake-offload-dir)")
+    def drive_label(self, i: int = 0) -> str:
+        path = self.offload_paths[i]
+        return (f"--snake-offload-dir {path}" if self.offload_dir_given else
+                f"the temporary directory {path} (no --snake-offload-dir)")
 
-    def drive_parts(self) -> str:
+    def drive_parts(self, i: int = 0) -> str:
+        """What the run places on the drives; the --save checkpoints where directory ``i``
+        holds them."""
         t = self.tiers
         p = self.precision
         masters = "master-weight remainders" if p.remainders else "master weights"
@@ -280,13 +306,13 @@ class Preflight:
                  f"initial weights while the state is built {size(self.nvme_initial)}"
                  if self.nvme_initial else "",
                  f"--save checkpoints {size(self.checkpoints)}"
-                 if self.checkpoints_on_drive else ""]
+                 if self.checkpoints_on == i else ""]
         return ", ".join(p for p in parts if p) or "nothing"
 
-    def summary(self, free_bytes: int | None = None) -> str:
-        """Megatron-style start lines: the counts, then each tier's bytes."""
+    def summary(self, frees: list | None = None) -> str:
+        """Megatron-style start lines: the counts, then each tier's bytes, a line for each
+        offload directory. ``frees``: the free bytes of each (None: not known)."""
         tp, TP, pp, PP, dp, DP = self.ranks
-        t = self.tiers
         shared = f" (of them {self.counts.shared:,} shared by the first and last: tied)" \
             if self.counts.shared else ""
         pinned = f"; pinned units {list(self.pinned_units)} {size(self.pinned)}" \
@@ -297,10 +323,7 @@ class Preflight:
         outside = f"the optimizer's update {size(self.optimizer_update)}"
         if self.partial_gradients:
             outside += f", partial gradients of the snake groups {size(self.partial_gradients)}"
-        free = "" if free_bytes is None else f", {size(free_bytes)} free"
-        saved = ""
-        if self.checkpoints and not self.checkpoints_on_drive:
-            saved = f"; --save checkpoints {size(self.checkpoints)} on another drive"
+        frees = frees or [None] * len(self.offload_paths)
         return "\n".join([
             f"> pre-flight (from the flags, before anything is allocated): "
             f"{self.params_total:,} parameters ({_count(self.params_total)}); this rank "
@@ -319,12 +342,27 @@ class Preflight:
             + f"); outside the pool: {outside}); the pool is {self.pool_why}",
             *([self.precision.summary()] if self.precision != Precision(
                 params=self.precision.params) else []),
-            f"> pre-flight drive, {self.drive_label()}: {size(self.drive_planned)} planned "
-            f"({self.drive_parts()}; weights on {t.params}, optimizer state on "
-            f"{t.optimizer}, unit inputs on {self.unit_input_tier}){saved}; "
-            f"{size(self.drive_needed)} needed with the {directory.MARGIN_FRACTION:.0%} + "
-            f"{directory.MARGIN_BYTES >> 20} MiB margin{free}",
+            *(self._drive_line(i, free) for i, free in enumerate(frees)),
         ])
+
+    def _drive_line(self, i: int, free: int | None) -> str:
+        t, n = self.tiers, len(self.offload_paths)
+        free = "" if free is None else f", {size(free)} free"
+        saved = ""
+        if self.checkpoints and not self.checkpoints_on_drive:
+            saved = f"; --save checkpoints {size(self.checkpoints)} on another drive"
+        which, share = "", ""
+        if n > 1:
+            which = f" {i + 1} of {n}"
+            share = f"a 1/{n} share of the striped {size(self.drive_striped)}: "
+            if self.checkpoints_on_drive and self.checkpoints_on != i:
+                saved = ""
+        return (f"> pre-flight drive{which}, {self.drive_label(i)}: "
+                f"{size(self.drive_planned_in(i))} planned ({share}{self.drive_parts(i)}; "
+                f"weights on {t.params}, optimizer state on {t.optimizer}, unit inputs on "
+                f"{self.unit_input_tier}){saved}; {size(self.drive_needed_in(i))} needed "
+                f"with the {directory.MARGIN_FRACTION:.0%} + {directory.MARGIN_BYTES >> 20} "
+                f"MiB margin{free}")
 
 
 def host_pool_default(args, need: HostBuffers,
@@ -372,12 +410,12 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
 
 
-def offload_path(args, rank: int = 0) -> str:
-    """The directory the store will use: ``--snake-offload-dir`` for this rank, or the
+def offload_paths(args, rank: int = 0) -> list[str]:
+    """The directories the store will use: ``--snake-offload-dir``'s for this rank, or the
     directory temporary ones are made in."""
     if args.snake_offload_dir:
-        return os.path.abspath(offload_dir_for_rank(args.snake_offload_dir, rank))
-    return tempfile.gettempdir()
+        return [os.path.abspath(p) for p in offload_dirs_for_rank(args.snake_offload_dir, rank)]
+    return [tempfile.gettempdir()]
 
 
 def drive_free_bytes(path: str) -> int | None:
@@ -404,7 +442,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     tiers = resolve_state_tiers(args, need, pool_buffers)
     numel = -(-counts.total // dp.size)
     ckpt = checkpoint_bytes_per_step(args)
-    path = offload_path(args, rank)
+    paths = offload_paths(args, rank)
     precision = Precision.from_args(args)
     planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
     pf_parts = dict(
@@ -440,8 +478,9 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         checkpoints=checkpoint_bytes_planned(args, counts.total * elem,
                                              precision.checkpoint_bytes * numel)
         if args.save else 0,
-        checkpoints_on_drive=os.path.isdir(path) and saves_to_offload_drive(args, path),
-        offload_path=path, offload_dir_given=bool(args.snake_offload_dir),
+        checkpoints_on=next((i for i, path in enumerate(paths) if os.path.isdir(path)
+                             and saves_to_offload_drive(args, path)), None),
+        offload_paths=tuple(paths), offload_dir_given=bool(args.snake_offload_dir),
         precision=precision)
 
 
@@ -458,10 +497,11 @@ def update_bytes(precision: Precision, elements: int) -> int:
     return per * elements + OffloadedAdamW.scratch_bytes()
 
 
-def check(preflight: Preflight, args, free_bytes: int | None) -> None:
+def check(preflight: Preflight, args, frees: list | None) -> None:
     """Refuse a plan a tier cannot hold, before anything is allocated: one error naming
     the flag to change and the amount (the first tier's type when several fail, with every
-    message). ``free_bytes``: the offload drive's free space (None: not checked)."""
+    message). ``frees``: each offload directory's free space (None, or None in it: not
+    checked)."""
     pf, errors = preflight, []
     limit = args.snake_gpu_memory_limit
     if limit is not None and limit < pf.working_set:
@@ -471,14 +511,20 @@ def check(preflight: Preflight, args, free_bytes: int | None) -> None:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
         errors.append(exc)
-    if free_bytes is not None and pf.drive_needed > free_bytes:
+    n = len(pf.offload_paths)
+    for i, free in enumerate(frees or ()):
+        need = pf.drive_needed_in(i)
+        if free is None or need <= free:
+            continue
+        where, share = ("in all", "") if n == 1 else \
+            ("there", f"a 1/{n} share of the striped {size(pf.drive_striped)}: ")
         message = (
-            f"{pf.drive_label()}: the run needs {size(pf.drive_needed)} of drive space in "
-            f"all ({size(pf.drive_planned)} planned: {pf.drive_parts()}; with the "
+            f"{pf.drive_label(i)}: the run needs {size(need)} of drive space {where} "
+            f"({size(pf.drive_planned_in(i))} planned: {share}{pf.drive_parts(i)}; with the "
             f"{directory.MARGIN_FRACTION:.0%} + {directory.MARGIN_BYTES >> 20} MiB margin), "
-            f"{size(free_bytes)} is free: free {size(pf.drive_needed - free_bytes)} more, "
+            f"{size(free)} is free: free {size(need - free)} more, "
             "or point --snake-offload-dir at a larger drive.")
-        if pf.checkpoints_on_drive:
+        if pf.checkpoints_on == i:
             message += (f" (This counts {size(pf.checkpoints)} of --save checkpoints on the "
                         "same file system: every saved iteration is kept; raise "
                         "--save-interval or save to another drive.)")
@@ -524,9 +570,9 @@ def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
         args.snake_host_memory_limit = pf.pool_bytes
         if not args.snake_offload_dir:   # killed runs' leftovers are not counted as used
             sweep_dead_temp_offload_dirs()
-        free = drive_free_bytes(pf.offload_path)
-        log(pf.summary(free))
-        check(pf, args, free)
+        frees = [drive_free_bytes(path) for path in pf.offload_paths]
+        log(pf.summary(frees))
+        check(pf, args, frees)
     except (OSError, ValueError, RuntimeError) as exc:
         error = exc
     distributed.raise_unless_all_ranks_ok(error, "pre-flight of the offloaded run")

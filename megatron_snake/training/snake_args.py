@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 
+from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import check_checkpoint_interval
 from megatron_snake.optim.offloaded_adamw import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
@@ -70,8 +71,8 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--snake-group-size", type=int, default=None,
                    help="micro-batches per snake group (default: all; fewer with PP > 1)")
     g.add_argument("--snake-offload-dir", default=None,
-                   help="directory (or {node}/{rank} template) for offloaded state "
-                        "(default: a temporary one)")
+                   help="directory (or {rank} template) for offloaded state; a,b: "
+                        "one per drive (default: a temporary one)")
     g.add_argument("--snake-activation-tier", default=None, choices=ACTIVATION_TIERS,
                    help="where unit inputs wait for backward "
                         "(default: auto if vertical, else nvme)")
@@ -163,6 +164,8 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
         fail(parser, "--snake-dry-run", "estimates --snake-offload's run; add "
              "--snake-offload or drop the flag")
     _validate_io_engine(args, parser)
+    if args.snake_offload_dir:
+        check_rule(parser, split_offload_dirs, args.snake_offload_dir)
     _validate_trace(args, parser)
     _validate_auto(args, parser)
     if args.snake_offload:
@@ -274,6 +277,21 @@ def _validate_trace(args, parser) -> None:
             not os.access(folder, os.W_OK):
         fail(parser, "--snake-trace", f"{args.snake_trace!r} must name a file in an "
              "existing, writable directory (it is written at the traced iteration)")
+
+
+def split_offload_dirs(value: str) -> list[str]:
+    """``--snake-offload-dir``'s comma-separated directories (the store is striped over
+    them); an empty entry, or one given twice, is refused (FlagError)."""
+    entries = value.split(",")
+    if not all(entries):
+        raise FlagError(f"--snake-offload-dir {value!r} has an empty entry; give directories "
+                        "separated by single commas, e.g. /nvme0/off,/nvme1/off")
+    norm = [os.path.normpath(e) for e in entries]
+    twice = [e for e, n in zip(entries, norm) if norm.count(n) > 1]
+    if twice:
+        raise FlagError(f"--snake-offload-dir {value!r} names one directory more than once "
+                        f"({', '.join(twice)}); give each drive's directory once")
+    return entries
 
 
 def _validate_io_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

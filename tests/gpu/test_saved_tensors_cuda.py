@@ -55,7 +55,8 @@ def assert_all_released(store, off, tier="nvme"):
     assert store.keys() == [], "every record is deleted after backward"
     assert off.live_entries() == 0 and off.live == {"gpu": 0, tier: 0}
     assert settled(lambda: store.pool.in_use == 0), "host buffers still held"
-    assert settled(lambda: sum(f.used for f in store._drive.files.values()) == 0), "swap space held"
+    assert settled(lambda: sum(f.used for d in store._drive.drives
+                               for f in d.files.values()) == 0), "swap space held"
 
 
 # ------------------------------------------------------------------ plain autograd region

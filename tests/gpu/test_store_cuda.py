@@ -288,7 +288,7 @@ def test_cycles_release_host_buffers_and_file_space(store, tier):
     _cycles(store, tier, x)
     assert store.keys() == []
     assert store.pool.in_use == 0 and store.pool.resident == 0
-    assert sum(f.used for f in store._drive.files.values()) == 0
+    assert sum(f.used for d in store._drive.drives for f in d.files.values()) == 0
 
 
 @requires_cuda

@@ -1,131 +1,138 @@
-"""The drive tier, ``nvme``: records kept in swap files on the offload drive, one file per
-kind of state, ``<offload-dir>/rank<N>/<kind>.swap`` (swap_file.py: the format, the
-extent allocator), in the rank's own locked directory (directory.py) (``rec.nvme``: the
-record's extents in its kind's file).
+"""The drive tier, ``nvme``: records kept in swap files on the offload drives, one file per
+kind of state in each of the rank's directories, ``<offload-dir>/rank<N>/<kind>.swap``
+(swap_file.py: the format, the extent allocator; drive_dir.py: a directory with its own
+lock, engine and files) (``rec.nvme``: the record's extents, each in one directory's
+file).
 
 A record is cut into the host buffers' segments (host.py), each written as one
 checksummed record ``[header][payload]`` aligned to the drive's block size. Bytes move
-between the drive and host buffers only, by the I/O engine (engine.py: the native
+between the drive and host buffers only, by the I/O engines (engine.py: the native
 io_uring ring, or threads): a write from a tensor goes through staging buffers of the host
 pool (the copy into them by the copy strategy), one from the host tier's own buffers seals
 their headers in place and writes them; a read verifies each record (header and checksum,
 IntegrityError naming the key and the file) in a staging buffer and copies the payload out,
 or lands in the host tier's buffers directly (a prefetch into host memory).
 
-The store calls only the ``DriveTier`` interface (``tiers.open_drive`` makes one), so
-another drive tier over several directories, each with its own files, engine and queue,
-replaces it without touching the store: ``DriveTier``'s docstring says what it provides."""
+Several directories (``--snake-offload-dir a,b``: one per drive) are striped: each segment
+goes to the next directory in turn, and its request to that directory's own engine. One
+rule serves both sizes of record: a large record's consecutive segments are on different
+drives, so its reads and writes keep every drive busy at once, and the one-segment records
+spread evenly over them. A record could instead go whole to one drive and large ones be cut
+in N, but that needs a second placement and a size to switch at, for no more drives busy:
+the segments (a host buffer each, 64 MiB by default) are already the unit of a request.
+Equal shares mean the fullest drive fills first: the space checks give each directory its
+share, and the one that cannot hold it is the one named.
 
-import logging
+The store calls only the ``DriveTier`` interface (``tiers.open_drive`` makes one):
+``DriveTier``'s docstring says what it provides."""
+
 import os
 import threading
 
 import megatron_snake.timeline as timeline
 from megatron_snake.storage.copies import as_bytes
-from megatron_snake.storage.errors import IntegrityError, OffloadIOError
-from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, SwapFile,
-                                              verify_record, write_record_header)
+from megatron_snake.storage.errors import IntegrityError, OffloadDirError, OffloadIOError
+from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, verify_record,
+                                              write_record_header)
 from megatron_snake.storage.tiers.base import Tier
 from megatron_snake.storage.tiers.host import payload
-
-log = logging.getLogger("megatron_snake.storage")
 
 
 class DriveTier(Tier):
     """Besides the tier interface (``write``, ``read_into``, ``drop``, ``capacity``), what
-    the store asks of a drive tier, and a striped one would provide the same way:
+    the store asks of a drive tier:
 
     ``stage_through(host)``  the host tier whose buffers its bytes move through
     ``write_from_host(rec)`` / ``read_into_host(rec, bufs)`` / ``fills_host(rec)``
                   a record straight from / into host buffers (``rec.host``, ``bufs``),
                   sealing or verifying their headers in place, no staging copy
     ``location(rec)``  [(path, offset, length)] of the record's extents
-    ``preallocate(kind, nbytes)``, ``check_capacity(nbytes)``  the drive's space
-    ``dir``, ``engine``, ``gds``  the (first) rank directory, its engine, the GDS backend
-    ``describe()``  the engine, for the store's summary
+    ``preallocate(kind, nbytes)``, ``check_capacity(nbytes)``  the drives' space
+    ``dir``, ``engine``, ``gds``  the first rank directory, its engine, the GDS backend
+    ``drives``    its directories (drive_dir.py), in the order given
+    ``describe()``  the engine and the drives, for the store's summary
     ``close(remove_files) -> [(path, bytes, OSError)]``, ``left_behind(left)``
 
-    ``rec.nvme`` is this tier's own (the store only asks whether it is None), and so are
-    its files, engines and their queues: each record's segments could go to N directories
-    with a ring each. ``write_bytes`` and ``read_bytes`` are where every drive write and
-    read of a host-format record passes (tests hold them there)."""
+    ``rec.nvme`` is this tier's own (the store only asks whether it is None):
+    [(DriveDir, offset, length)], one extent per segment. ``write_bytes`` and
+    ``read_bytes`` are where every drive write and read of a host-format record passes
+    (tests hold them there)."""
 
     name = "nvme"
     memory = False
 
-    def __init__(self, directory, engine, run_id, copies, counters):
+    def __init__(self, drives, run_id, copies, counters):
         super().__init__(copies, counters)
-        self.dir, self.engine, self.run_id = directory, engine, run_id
+        self.drives = list(drives)
+        self.dir, self.engine = self.drives[0].dir, self.drives[0].engine
+        self.run_id = run_id
         self.gds = None
         self.checksum = Checksum()
-        self.files = {}                # kind -> SwapFile
-        self._files_lock = threading.Lock()
-        self._direct_logged = False
+        self._turn, self._turn_lock = 0, threading.Lock()   # the next segment's drive
         self.host = self.pool = None   # stage_through
 
     def stage_through(self, host) -> None:
         """Move bytes through ``host``'s buffers: its pool's for staging, its records'."""
         self.host, self.pool = host, host.pool
 
+    def _drives_for(self, nsegs):
+        """The drive of each of a record's ``nsegs`` segments: the next ones in turn."""
+        n = len(self.drives)
+        with self._turn_lock:
+            first = self._turn
+            self._turn = (first + nsegs) % n
+        return [self.drives[(first + i) % n] for i in range(nsegs)]
+
     # ---------------------------------------------------------------- files and space
 
-    def _file(self, kind):
-        f = self.files.get(kind)
-        if f is None:
-            with self._files_lock:
-                f = self.files.get(kind)
-                if f is None:
-                    path = os.path.join(self.dir.path, f"{kind}.swap")
-                    f = SwapFile(path, kind, self.run_id, self.engine, self.checksum,
-                                 block_size=max(4096, os.statvfs(self.dir.path).f_bsize))
-                    if not f.direct and not self._direct_logged:
-                        self._direct_logged = True
-                        log.warning("offload dir %s: the file system does not support O_DIRECT "
-                                    "(tmpfs?); using buffered I/O (page cache)", self.dir.path)
-                    self.files[kind] = f
-        return f
-
     def location(self, rec):
-        f = self.files.get(rec.kind)
-        return [(f.path, off, ln) for off, ln in (rec.nvme or [])]
+        return [(d.files[rec.kind].path, off, ln) for d, off, ln in (rec.nvme or [])]
+
+    def _share(self, nbytes) -> int:
+        """A drive's share of ``nbytes`` placed in turn: the rounding's segment on top when
+        they are striped (one drive may hold one segment more than another)."""
+        n = len(self.drives)
+        return nbytes if n == 1 else -(-nbytes // n) + self.host.seg_payload
 
     def preallocate(self, kind, nbytes) -> None:
-        self._file(kind).preallocate(nbytes)
+        share = self._share(nbytes)
+        for d in self.drives:
+            d.file(kind, self.checksum).preallocate(share)
 
     def held(self) -> int:
-        """Bytes its files hold on the drive."""
-        return sum(f.size for f in self.files.values())
+        """Bytes its files hold on the drives."""
+        return sum(d.held() for d in self.drives)
 
     def check_capacity(self, nbytes_planned):
-        """Raise CapacityError unless nbytes_planned fit on the drive (with margin)."""
-        return self.dir.check_capacity(nbytes_planned, self.held())
+        """Raise CapacityError, naming the directory, unless each drive can take its share of
+        nbytes_planned (with margin); returns (needed, free) summed over the drives."""
+        share = self._share(nbytes_planned)
+        checked = [d.check_capacity(share) for d in self.drives]
+        return tuple(map(sum, zip(*checked)))
 
     def capacity(self) -> int:
-        return self.held() + self.dir.free_space_probe(self.dir.path)
+        # equal shares: the tier is full when its smallest drive is
+        return len(self.drives) * min(d.capacity() for d in self.drives)
 
     def all_direct(self) -> bool:
-        return all(f.direct for f in self.files.values())
+        return all(d.all_direct() for d in self.drives)
 
     def describe(self) -> str:
-        return f"{self.engine.name}{'' if self.all_direct() else ' buffered'}"
+        over = f" over {len(self.drives)} drives" if len(self.drives) > 1 else ""
+        return f"{self.engine.name}{over}{'' if self.all_direct() else ' buffered'}"
 
     def close(self, remove_files=True):
-        """Close the engine and the files (removed unless ``remove_files``) and release the
-        directory; returns [(path, bytes, OSError)] of what could not be removed."""
-        self.engine.close()
+        """Close the engines and the files (removed unless ``remove_files``) and release the
+        directories; returns [(path, bytes, OSError)] of what could not be removed."""
         if self.gds is not None:
             self.gds.close()
-        left = []
-        for f in self.files.values():
-            nbytes = f.size
-            try:
-                f.close(remove=remove_files)
-            except OSError as exc:
-                left.append((f.path, nbytes, exc))
-        return left + self.dir.close()
+        return [item for d in self.drives for item in d.close(remove_files)]
 
     def left_behind(self, left):
-        return self.dir.left_behind(left)
+        """One error for what could not be removed, naming each directory's files."""
+        errors = [d.dir.left_behind(mine) for d in self.drives
+                  if (mine := [x for x in left if os.path.dirname(x[0]) == d.path])]
+        return errors[0] if len(errors) == 1 else OffloadDirError("; ".join(map(str, errors)))
 
     # ---------------------------------------------------------------- writes
 
@@ -138,15 +145,16 @@ class DriveTier(Tier):
         self.write_bytes(rec)
 
     def write_bytes(self, rec, src_bytes=None, from_device=False) -> None:
-        """Write rec to its swap file, from src_bytes (through staging buffers) or, when
-        None, from rec.host."""
+        """Write rec to its kind's swap files, from src_bytes (through staging buffers) or,
+        when None, from rec.host: each segment to its drive, all in flight at once."""
         with timeline.span(f"drive write {rec.kind}", "drive", bytes=rec.nbytes):
-            f = self._file(rec.kind)
             segs = self.host.segments(rec.nbytes)
+            drives = self._drives_for(len(segs))
             extents, pending = [], []      # pending: (request, buffer or None)
             loose = None                   # a staging buffer not yet in pending
             try:
-                for seg, a, b in segs:
+                for (seg, a, b), d in zip(segs, drives):
+                    f = d.file(rec.kind, self.checksum)
                     n = b - a
                     if src_bytes is None:
                         buf = rec.host[seg]
@@ -158,8 +166,8 @@ class DriveTier(Tier):
                                            from_device)
                         self._seal(rec, buf, seg, n)
                     off, length = f.allocate(REC_HEADER_BYTES + n)
-                    extents.append((off, length))
-                    req = self.engine.write(f.fd, f.path, buf.addr, length, off)
+                    extents.append((d, off, length))
+                    req = d.engine.write(f.fd, f.path, buf.addr, length, off)
                     self.counters.inflight(+1)
                     pending.append((req, loose))
                     loose = None
@@ -171,8 +179,7 @@ class DriveTier(Tier):
                 if loose is not None:
                     self.pool.release([loose])
                 self._drain(pending)
-                for off, length in extents:
-                    f.free(off, length)
+                self._free(rec.kind, extents)
                 raise
             rec.nvme = extents
             self.counters.add("nvme", nwritten=rec.nbytes, requests=len(segs), kind=rec.kind)
@@ -236,12 +243,11 @@ class DriveTier(Tier):
         compute device's) or keep them in the given host buffers (into_host: list of
         buffers, one per segment)."""
         with timeline.span(f"drive read {rec.kind}", "drive", bytes=rec.nbytes):
-            f = self.files[rec.kind]
             segs = self.host.segments(rec.nbytes)
-            pending = []   # (request, staging buffer or None, seg, a, b, host buffer)
+            pending = []   # (request, staging buffer or None, seg, a, b, host buffer, file)
 
             def finish(item):
-                req, buf, seg, a, b, hbuf = item
+                req, buf, seg, a, b, hbuf, f = item
                 try:
                     try:
                         req.wait()
@@ -263,7 +269,8 @@ class DriveTier(Tier):
                         self.pool.release([buf])
 
             try:
-                for (seg, a, b), (off, length) in zip(segs, rec.nvme):
+                for (seg, a, b), (d, off, length) in zip(segs, rec.nvme):
+                    f = d.files[rec.kind]
                     if into_host is not None:
                         hbuf, buf = into_host[seg], None
                     else:
@@ -276,13 +283,13 @@ class DriveTier(Tier):
                             else:
                                 buf = self.pool.acquire(1)[0]
                     try:
-                        req = self.engine.read(f.fd, f.path, (hbuf or buf).addr, length, off)
+                        req = d.engine.read(f.fd, f.path, (hbuf or buf).addr, length, off)
                     except BaseException:
                         if buf is not None:
                             self.pool.release([buf])
                         raise
                     self.counters.inflight(+1)
-                    pending.append((req, buf, seg, a, b, hbuf))
+                    pending.append((req, buf, seg, a, b, hbuf, f))
                 while pending:
                     finish(pending.pop(0))
             except BaseException:
@@ -292,7 +299,9 @@ class DriveTier(Tier):
 
     def drop(self, rec) -> None:
         if rec.nvme is not None:
-            f = self.files[rec.kind]
-            for off, length in rec.nvme:
-                f.free(off, length)
+            self._free(rec.kind, rec.nvme)
             rec.nvme = None
+
+    def _free(self, kind, extents):
+        for d, off, length in extents:
+            d.files[kind].free(off, length)

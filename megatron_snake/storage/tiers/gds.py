@@ -9,7 +9,11 @@ kvikio; its checksum is computed on the GPU on the copy streams (``gpu_checksum`
 on the compute stream, and verified on every read. kvikio reads into GPU memory outside any
 stream's order, so a read into a buffer the caller may still use waits on the host first.
 A GDS record cannot be read into host buffers directly (``fills_host``): a prefetch to the
-host tier reads it into device memory first."""
+host tier reads it into device memory first.
+
+Over several directories a GDS record goes whole to the next one in turn (kvikio reads
+and writes any of their files): GDS records are spread over the drives, but one record is
+on one drive, since its payload is one extent after one header block."""
 
 import torch
 
@@ -21,8 +25,8 @@ from megatron_snake.storage.tiers.drive import DriveTier
 
 
 class GdsDriveTier(DriveTier):
-    def __init__(self, directory, engine, backend, run_id, copies, counters):
-        super().__init__(directory, engine, run_id, copies, counters)
+    def __init__(self, drives, backend, run_id, copies, counters):
+        super().__init__(drives, run_id, copies, counters)
         self.gds = backend
 
     def write(self, rec, src, from_device=False, room=None) -> bool:
@@ -57,14 +61,15 @@ class GdsDriveTier(DriveTier):
 
     def _write_gds(self, rec, src_bytes):
         """One GPUDirect record: header block through the host engine, payload by kvikio."""
-        f = self._file(rec.kind)
+        d, = self._drives_for(1)
+        f = d.file(rec.kind, self.checksum)
         off, length = f.allocate(HEADER_BLOCK + rec.nbytes)
         buf, = self.pool.acquire(1)
         try:
             with self.copies.on("d2h"):       # off the compute stream
                 crc = gpu_checksum(src_bytes)
             write_record_header(buf.addr, self.run_id, rec.khash, rec.seq, 0, rec.nbytes, crc)
-            req = self.engine.write(f.fd, f.path, buf.addr, HEADER_BLOCK, off)
+            req = d.engine.write(f.fd, f.path, buf.addr, HEADER_BLOCK, off)
             try:
                 self.gds.write(f.path, src_bytes, off + HEADER_BLOCK)
             finally:
@@ -74,16 +79,16 @@ class GdsDriveTier(DriveTier):
             raise
         finally:
             self.pool.release([buf])
-        rec.nvme, rec.gds = [(off, length)], True
+        rec.nvme, rec.gds = [(d, off, length)], True
         self.counters.add("nvme", nwritten=rec.nbytes, requests=2, kind=rec.kind)
 
     def _read_gds(self, rec, dst_bytes):
-        f = self.files[rec.kind]
-        (off, _), = rec.nvme
+        (d, off, _), = rec.nvme
+        f = d.files[rec.kind]
         buf, = self.pool.acquire(1)
         try:
             try:
-                self.engine.read(f.fd, f.path, buf.addr, HEADER_BLOCK, off).wait()
+                d.engine.read(f.fd, f.path, buf.addr, HEADER_BLOCK, off).wait()
             except OffloadIOError as exc:
                 if exc.short:
                     raise IntegrityError(f"key {rec.key!r}: record in {f.path} is truncated: "

@@ -1,0 +1,226 @@
+"""One rank's drive tier striped over several directories (``--snake-offload-dir a,b``):
+records round-trip bit-exact with their segments on every directory, each directory is a
+full rank directory (its own lock, its own files), and a directory that fails or fills is
+the one named, with the records on the others still readable. Plain temporary
+directories: these run everywhere (tests/test_striped_drives_throttled.py runs two
+throttled loop devices where the machine allows it)."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from megatron_snake.storage import TensorStore
+from megatron_snake.storage.engine import native_available
+from megatron_snake.storage.errors import CapacityError, OffloadDirError, OffloadIOError
+from megatron_snake.storage.swap_file import REC_MAGIC
+
+ENGINES = ["python"] + (["uring", "threads"] if native_available() else [])
+BUF = 64 << 10        # host buffers of 64 KiB: a 1 MiB record is 17 segments
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    made = [tmp_path / "a", tmp_path / "b"]
+    for d in made:
+        d.mkdir()
+    return made
+
+
+def _values(gen):
+    """A record of many segments, one of a single segment, one not a multiple of anything."""
+    return {"big": torch.randn(1 << 18, generator=gen),                 # 1 MiB
+            "small": torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=gen),
+            "odd": torch.randn(3, 7919, generator=gen).to(torch.bfloat16)}
+
+
+def _used(store, d):
+    """Bytes the records hold in directory ``d``'s swap files."""
+    drive, = (x for x in store._drive.drives if x.dir.root == str(d))
+    return sum(f.used for f in drive.files.values())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_records_round_trip_over_both_directories(dirs, engine):
+    gen = torch.Generator().manual_seed(0)
+    values = _values(gen)
+    with TensorStore(dirs, engine=engine, host_memory_limit=32 * BUF, buffer_bytes=BUF) as s:
+        assert [d.root for d in s.dirs] == [str(d) for d in dirs]
+        for key, v in values.items():
+            s.put(key, v, tier="nvme")
+        for key, v in values.items():
+            got = s.get(key).wait()
+            assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), key
+        # the large record's consecutive segments alternate between the drives
+        paths = [os.path.dirname(p) for p, _, _ in s.location("big")]
+        assert len(paths) == 17 and set(paths) == {str(d / "rank0") for d in dirs}
+        assert all(a != b for a, b in zip(paths, paths[1:])), paths
+        # each extent is a record of ours where location says it is
+        for path, off, length in s.location("big"):
+            with open(path, "rb") as f:
+                f.seek(off)
+                assert f.read(len(REC_MAGIC)) == REC_MAGIC
+        a, b = (_used(s, d) for d in dirs)
+        assert a > 0 and b > 0 and abs(a - b) <= BUF + 4096, (a, b)
+        # through the host tier (read into host buffers, lent in place, given back)
+        s.prefetch("big", tier="host").wait()
+        lent = s.borrow("big").wait()
+        for seg in lent:
+            seg.mul_(2)
+        s.give_back("big", tier="nvme").wait()
+        assert torch.equal(s.get("big").wait(), values["big"] * 2)
+        assert "over 2 drives" in s.summary()
+        s.delete("big").wait()
+        s.delete("small").wait()
+        s.delete("odd").wait()
+        assert _used(s, dirs[0]) == _used(s, dirs[1]) == 0
+    assert not any((d / "rank0").exists() for d in dirs)     # both removed at close
+
+
+def test_one_directory_in_a_list_is_the_single_directory(tmp_path):
+    with TensorStore([tmp_path], host_memory_limit=8 * BUF, buffer_bytes=BUF) as s:
+        s.put("x", torch.arange(40000), tier="nvme")
+        assert {os.path.dirname(p) for p, _, _ in s.location("x")} == {str(tmp_path / "rank0")}
+        assert "drives" not in s.summary()
+
+
+def test_each_directory_is_locked_for_the_run(dirs):
+    with TensorStore(dirs, host_memory_limit=8 * BUF, buffer_bytes=BUF):
+        assert all((d / "rank0" / "LOCK").is_file() for d in dirs)
+        with pytest.raises(OffloadDirError, match=f"{dirs[1] / 'rank0'} is in use by another job"):
+            TensorStore([dirs[1]], host_memory_limit=8 * BUF, buffer_bytes=BUF)
+
+
+def test_a_missing_directory_is_named_and_the_others_are_released(dirs, tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(OffloadDirError, match=f"--snake-offload-dir {missing} does not exist"):
+        TensorStore(dirs + [missing], host_memory_limit=8 * BUF, buffer_bytes=BUF)
+    assert not any((d / "rank0").exists() for d in dirs)      # locks released, dirs removed
+
+
+def test_a_directory_given_twice_is_refused(dirs):
+    twice = [dirs[0], dirs[1], str(dirs[0]) + "/."]
+    with pytest.raises(OffloadDirError, match="names one directory more than once"):
+        TensorStore(twice, host_memory_limit=8 * BUF, buffer_bytes=BUF)
+    assert not any((d / "rank0").exists() for d in dirs)
+
+
+def test_the_capacity_check_names_the_directory_without_room(dirs):
+    free = {str(dirs[0] / "rank0"): 1 << 40, str(dirs[1] / "rank0"): 500 << 20}
+    with TensorStore(dirs, host_memory_limit=8 * BUF, buffer_bytes=BUF,
+                     free_space_probe=free.__getitem__) as s:
+        s.check_capacity(200 << 20)           # 100 MiB each (+ margin): both have room
+        with pytest.raises(CapacityError) as exc:
+            s.check_capacity(2 << 30)         # 1 GiB each: only the first has room
+        assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]} (rank 0)")
+        assert s._drive.capacity() == 2 * (500 << 20)   # equal shares: the smaller bounds
+
+
+def _failing_in(monkeypatch, directory, fn_name, err):
+    """Make ``os.<fn_name>(fd, ...)`` fail with ``err`` for files under ``directory``."""
+    real = getattr(os, fn_name)
+
+    def fn(fd, *args):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory) + os.sep):
+            raise OSError(err, os.strerror(err))
+        return real(fd, *args)
+
+    monkeypatch.setattr(os, fn_name, fn)
+
+
+def test_a_full_drive_is_named_and_the_other_records_stay(dirs, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    values = _values(gen)
+    with TensorStore(dirs, host_memory_limit=32 * BUF, buffer_bytes=BUF) as s:
+        for key, v in values.items():
+            s.put(key, v, tier="nvme").wait()
+        _failing_in(monkeypatch, dirs[1], "posix_fallocate", errno.ENOSPC)
+        # larger than the files' first growth step: the file on the second drive must grow
+        with pytest.raises(CapacityError) as exc:
+            s.put("huge", torch.zeros(136 << 20, dtype=torch.uint8), tier="nvme").wait()
+        assert str(exc.value).startswith(f"{dirs[1] / 'rank0' / 'misc.swap'}: no space left")
+        monkeypatch.undo()
+        for key, v in values.items():
+            assert torch.equal(s.get(key).wait().view(torch.uint8), v.view(torch.uint8))
+
+
+def test_a_failing_drive_is_named_and_the_other_records_stay(dirs, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    values = _values(gen)
+    # the pure-Python engine writes with os.pwritev, where the fault is injected
+    with TensorStore(dirs, engine="python", host_memory_limit=32 * BUF, buffer_bytes=BUF) as s:
+        for key, v in values.items():
+            s.put(key, v, tier="nvme").wait()
+        _failing_in(monkeypatch, dirs[0], "pwritev", errno.EIO)
+        with pytest.raises(OffloadIOError) as exc:
+            s.put("more", torch.randn(1 << 18, generator=gen), tier="nvme").wait()
+        assert f"of {dirs[0] / 'rank0' / 'misc.swap'} failed: Input/output error" \
+            in str(exc.value)
+        monkeypatch.undo()
+        for key, v in values.items():
+            assert torch.equal(s.get(key).wait().view(torch.uint8), v.view(torch.uint8))
+        before = _used(s, dirs[0]) + _used(s, dirs[1])
+        s.delete("more").wait()       # the failed write's extents were freed, on both drives
+        assert _used(s, dirs[0]) + _used(s, dirs[1]) == before
+
+
+# ---------------------------------------------------------------- the flag
+
+def _parse(*flags):
+    from megatron_snake.training.arguments import parse_args
+
+    return parse_args(["--snake-offload", *flags])
+
+
+def test_the_flag_takes_a_comma_separated_list_of_templates(monkeypatch):
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    args = _parse("--snake-offload-dir", "/nvme0/off/{local_rank},/nvme1/off/r{rank}")
+    assert offload_dirs_for_rank(args.snake_offload_dir, 5) == ["/nvme0/off/1", "/nvme1/off/r5"]
+
+
+@pytest.mark.parametrize("value, why", [
+    ("/nvme0/a,,/nvme1/a", "has an empty entry"),
+    ("/nvme0/a,", "has an empty entry"),
+    ("/nvme0/a,/nvme1/a,/nvme0/a/", "names one directory more than once (/nvme0/a, /nvme0/a/)"),
+])
+def test_the_flag_refuses_an_empty_or_repeated_entry_in_one_line(value, why, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--snake-offload-dir", value)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.startswith(f"pretrain_gpt.py: error: --snake-offload-dir {value!r} {why}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_a_directory_repeated_once_filled_in_is_refused_naming_the_flag(monkeypatch):
+    from megatron_snake.errors import FlagError
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(FlagError, match=r"^--snake-offload-dir '/n/\{local_rank\},/n/0': rank 0 "
+                       r"gets one directory more than once \(/n/0, /n/0\)"):
+        offload_dirs_for_rank("/n/{local_rank},/n/0", 0)
+
+
+def test_the_preflight_has_a_line_and_a_check_for_each_directory(dirs):
+    from megatron_snake.training import preflight
+    from megatron_snake.storage.sizes import size
+
+    args = _parse("--snake-offload-dir", ",".join(map(str, dirs)))
+    pf = preflight.estimate(args, 384)
+    assert pf.offload_paths == tuple(map(str, dirs))
+    share = -(-pf.drive_striped // 2) + pf.buffer_bytes
+    assert [pf.drive_planned_in(i) for i in range(2)] == [share, share]
+    lines = pf.summary([1 << 40, 1 << 20]).splitlines()
+    drive = [x for x in lines if x.startswith("> pre-flight drive")]
+    assert [x.split(":")[0] for x in drive] == [
+        f"> pre-flight drive {i + 1} of 2, --snake-offload-dir {d}" for i, d in enumerate(dirs)]
+    assert all(f"{size(share)} planned (a 1/2 share of the striped" in x for x in drive)
+    with pytest.raises(CapacityError) as exc:
+        preflight.check(pf, args, [1 << 40, 1 << 20])     # the second has 1 MiB free
+    assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]}: the run needs "
+                                     f"{size(pf.drive_needed_in(1))} of drive space there")
+    preflight.check(pf, args, [1 << 40, 1 << 40])
