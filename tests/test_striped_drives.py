@@ -106,7 +106,18 @@ def test_a_directory_given_twice_is_refused(dirs):
     assert not any((d / "rank0").exists() for d in dirs)
 
 
-def test_the_capacity_check_names_the_directory_without_room(dirs):
+@pytest.fixture
+def two_drives(monkeypatch):
+    """The temporary directories as if each were on a drive of its own (they share this
+    machine's one file system, whose free space the checks would otherwise split)."""
+    from megatron_snake.storage.tiers.drive import DriveTier
+    from megatron_snake.training import preflight
+
+    monkeypatch.setattr(DriveTier, "_by_file_system", lambda self: [[d] for d in self.drives])
+    monkeypatch.setattr(preflight, "same_file_system", lambda paths, i: [i])
+
+
+def test_the_capacity_check_names_the_directory_without_room(dirs, two_drives):
     free = {str(dirs[0] / "rank0"): 1 << 40, str(dirs[1] / "rank0"): 500 << 20}
     with TensorStore(dirs, host_memory_limit=8 * BUF, buffer_bytes=BUF,
                      free_space_probe=free.__getitem__) as s:
@@ -115,6 +126,18 @@ def test_the_capacity_check_names_the_directory_without_room(dirs):
             s.check_capacity(2 << 30)         # 1 GiB each: only the first has room
         assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]} (rank 0)")
         assert s._drive.capacity() == 2 * (500 << 20)   # equal shares: the smaller bounds
+
+
+def test_directories_on_one_file_system_are_checked_together(dirs):
+    """Two directories of one drive share its free space: shares that each fit it alone
+    but not together are refused, and the tier's capacity is that space once."""
+    with TensorStore(dirs, host_memory_limit=8 * BUF, buffer_bytes=BUF,
+                     free_space_probe=lambda path: 1 << 30) as s:
+        # the margin: 5% + 256 MiB of what a file system takes
+        s.check_capacity(600 << 20)           # 300 MiB each: together 886 MiB fit
+        with pytest.raises(CapacityError):
+            s.check_capacity(1200 << 20)      # 600 MiB each: 886 MiB alone, 1516 together
+        assert s._drive.capacity() == 1 << 30
 
 
 def _failing_in(monkeypatch, directory, fn_name, err):
@@ -205,7 +228,7 @@ def test_a_directory_repeated_once_filled_in_is_refused_naming_the_flag(monkeypa
         offload_dirs_for_rank("/n/{local_rank},/n/0", 0)
 
 
-def test_the_preflight_has_a_line_and_a_check_for_each_directory(dirs):
+def test_the_preflight_has_a_line_and_a_check_for_each_directory(dirs, two_drives):
     from megatron_snake.training import preflight
     from megatron_snake.storage.sizes import size
 
@@ -224,3 +247,17 @@ def test_the_preflight_has_a_line_and_a_check_for_each_directory(dirs):
     assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]}: the run needs "
                                      f"{size(pf.drive_needed_in(1))} of drive space there")
     preflight.check(pf, args, [1 << 40, 1 << 40])
+
+
+def test_the_preflight_checks_directories_on_one_file_system_together(dirs):
+    from megatron_snake.training import preflight
+
+    args = _parse("--snake-offload-dir", ",".join(map(str, dirs)))
+    pf = preflight.estimate(args, 384)
+    each, both = pf.drive_needed_in(0), pf.drive_needed_in(0) + pf.drive_needed_in(1)
+    free = (each + both) // 2          # room for either share, not for both
+    with pytest.raises(CapacityError) as exc:
+        preflight.check(pf, args, [free, free])
+    assert str(exc.value).count("--snake-offload-dir") == 2, str(exc.value)   # one error
+    assert f"on its file system, with {dirs[1]}'s" in str(exc.value)
+    preflight.check(pf, args, [both, both])

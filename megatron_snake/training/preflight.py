@@ -497,6 +497,17 @@ def update_bytes(precision: Precision, elements: int) -> int:
     return per * elements + OffloadedAdamW.scratch_bytes()
 
 
+def same_file_system(paths, i: int) -> list[int]:
+    """The indexes of ``paths`` on the file system of ``paths[i]`` (``i`` alone when it is
+    not made yet)."""
+    try:
+        dev = os.stat(paths[i]).st_dev
+    except OSError:
+        return [i]
+    return [j for j, path in enumerate(paths)
+            if j == i or (os.path.exists(path) and os.stat(path).st_dev == dev)]
+
+
 def check(preflight: Preflight, args, frees: list | None) -> None:
     """Refuse a plan a tier cannot hold, before anything is allocated: one error naming
     the flag to change and the amount (the first tier's type when several fail, with every
@@ -511,13 +522,21 @@ def check(preflight: Preflight, args, frees: list | None) -> None:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
         errors.append(exc)
-    n = len(pf.offload_paths)
+    n, checked = len(pf.offload_paths), set()
     for i, free in enumerate(frees or ()):
-        need = pf.drive_needed_in(i)
+        # directories on one file system share its free space: checked once, together
+        group = same_file_system(pf.offload_paths, i)
+        if group[0] in checked:
+            continue
+        checked.add(group[0])
+        need = sum(pf.drive_needed_in(j) for j in group)
         if free is None or need <= free:
             continue
         where, share = ("in all", "") if n == 1 else \
             ("there", f"a 1/{n} share of the striped {size(pf.drive_striped)}: ")
+        if len(group) > 1:
+            where = "on its file system, with " + ", ".join(
+                f"{pf.offload_paths[j]}'s {size(pf.drive_needed_in(j))}" for j in group[1:])
         message = (
             f"{pf.drive_label(i)}: the run needs {size(need)} of drive space {where} "
             f"({size(pf.drive_planned_in(i))} planned: {share}{pf.drive_parts(i)}; with the "

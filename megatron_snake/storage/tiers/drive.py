@@ -103,16 +103,31 @@ class DriveTier(Tier):
         """Bytes its files hold on the drives."""
         return sum(d.held() for d in self.drives)
 
+    def _by_file_system(self) -> list[list]:
+        """The directories grouped by the file system they are on: two on one drive share
+        its free space, so they are checked together."""
+        groups = {}
+        for d in self.drives:
+            groups.setdefault(os.stat(d.path).st_dev, []).append(d)
+        return list(groups.values())
+
     def check_capacity(self, nbytes_planned):
-        """Raise CapacityError, naming the directory, unless each drive can take its share of
-        nbytes_planned (with margin); returns (needed, free) summed over the drives."""
+        """Raise CapacityError, naming a directory, unless each file system can take the
+        shares of nbytes_planned of the directories on it (with margin); returns (needed,
+        free) summed over the file systems."""
         share = self._share(nbytes_planned)
-        checked = [d.check_capacity(share) for d in self.drives]
+        checked = [group[0].dir.check_capacity(share * len(group),
+                                               sum(d.held() for d in group))
+                   for group in self._by_file_system()]
         return tuple(map(sum, zip(*checked)))
 
     def capacity(self) -> int:
-        # equal shares: the tier is full when its smallest drive is
-        return len(self.drives) * min(d.capacity() for d in self.drives)
+        # equal shares: the tier is full when its smallest share of free space is, and
+        # directories on one file system split its free space
+        return len(self.drives) * min(
+            sum(d.held() for d in group) // len(group) +
+            group[0].dir.free_space_probe(group[0].path) // len(group)
+            for group in self._by_file_system())
 
     def all_direct(self) -> bool:
         return all(d.all_direct() for d in self.drives)
