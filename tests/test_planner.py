@@ -286,9 +286,13 @@ def test_the_command_line_prints_one_json_object():
 
 def test_calibrate_writes_a_profile_the_planner_predicts_with(tmp_path):
     """tools/calibrate.py on this machine: every rate measured and positive, the output
-    layer timed apart, and plan.py predicts the same model with the profile."""
+    layer timed apart, the drives counted (two directories striped over: one file system,
+    counted once), and plan.py predicts the same model with the profile."""
     out = tmp_path / "profile.json"
-    flags = [f for f in SMALL if f != "--snake-offload"] + ["--snake-offload-dir", str(tmp_path)]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    flags = [f for f in SMALL if f != "--snake-offload"] + \
+        ["--snake-offload-dir", f"{tmp_path / 'a'},{tmp_path / 'b'}"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), *flags,
                            "--output", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -301,6 +305,8 @@ def test_calibrate_writes_a_profile_the_planner_predicts_with(tmp_path):
     # a real step's host time: each unit visit costs something beside its passes
     assert hw.unit_visit_s > 0 and hw.unit_overhead_s > 0
     assert "measured by tools/calibrate.py" in hw.source
+    fs = os.statvfs(tmp_path)
+    assert hw.drives == 2 and hw.drive_capacity == fs.f_blocks * fs.f_frsize
     # on the CPU the compute rate is the one inside a real step; the layer alone is kept
     assert hw.device_tflops_alone > 0 and hw.head_tflops_alone > 0
     assert "inside a real step" in hw.source

@@ -264,7 +264,11 @@ def main(argv=None) -> int:
         passes = [calibration.drive_rates(store) for _ in range(3)]
         drive_read = statistics.median(r["read"] for r in passes)
         drive_write = statistics.median(r["write"] for r in passes)
-        capacity = os.statvfs(store.dir.path)
+        # striped over --snake-offload-dir's directories: the rates above are all of
+        # them together; the capacity is each file system's once
+        filesystems = {os.stat(d.path).st_dev: os.statvfs(d.path) for d in store.dirs}
+        capacity = sum(v.f_blocks * v.f_frsize for v in filesystems.values())
+        drives = len(store.dirs)
         print("> a layer beside the drive's I/O ...", flush=True)
         rates["io_compute_slowdown"] = io_compute_slowdown(args, device, vocab, store)
         engine = getattr(store.engine, "name", type(store.engine).__name__)
@@ -296,7 +300,7 @@ def main(argv=None) -> int:
         name=ours.name or socket.gethostname(), gpus_per_node=per_node,
         **rates, device_memory=device_memory,
         pcie_Bps=pcie, drive_read_Bps=drive_read, drive_write_Bps=drive_write,
-        drive_capacity=capacity.f_blocks * capacity.f_frsize, host_memory=host_memory,
+        drives=drives, drive_capacity=capacity, host_memory=host_memory,
         host_copy_Bps=host_copy, cpu_adam_params_per_s=adam, intra_node_Bps=bus,
         inter_node_Bps=bus,
         source=(f"measured by tools/calibrate.py on {socket.gethostname()} "
