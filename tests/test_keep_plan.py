@@ -46,6 +46,7 @@ def test_slow_drive_offloads_none():
     plan = plan_offload(_profile((saves, unpacks), step=1.0), 1.0, 1.0)
     assert plan.offload == {}
     assert plan.peak_after == plan.peak_before and plan.added_s == 0
+    assert "all kept: no save's write and read-back fit" in plan.summary()
 
 
 def test_long_lived_big_tensor_is_chosen_over_short_lived_ones():

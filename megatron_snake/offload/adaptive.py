@@ -230,8 +230,8 @@ class AdaptiveOffloader(SavedTensorOffloader):
                                   what="saved-tensor offload plan")
         where = f"; plan in {self.plan_path}" if self.plan_path else ""
         self.log(f"> saved-tensor offload plan after {self._profiled} profiled iterations "
-                 f"(tier {self.tier} read {read_Bps / 1e9:.2f} GB/s, write "
-                 f"{write_Bps / 1e9:.2f} GB/s): {self.plan.summary()}{where}")
+                 f"(tier {self.tier} read {read_Bps / 1e6:.1f} MB/s, write "
+                 f"{write_Bps / 1e6:.1f} MB/s): {self.plan.summary()}{where}")
 
     def _planned(self, cand: _Candidate) -> bool:
         planned = self.plan.offload.get((cand.group, cand.ordinal))

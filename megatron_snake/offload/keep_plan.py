@@ -80,7 +80,10 @@ class KeepPlan:
         return (f"{len(self.offload)} of {self.saves} saved tensors offloaded "
                 f"({self.bytes_offloaded / 2**20:.1f} of {self.bytes_total / 2**20:.1f} MiB a "
                 f"step); predicted peak of saved tensors {cut:.0%} lower, step "
-                f"+{self.added_s * 1e3:.2f} ms of {self.step_s * 1e3:.1f} ms")
+                f"+{self.added_s * 1e3:.2f} ms of {self.step_s * 1e3:.1f} ms"
+                + ("" if self.offload or not self.saves else
+                   "; all kept: no save's write and read-back fit in the compute between "
+                   "its pack and its unpack at the tier's rates"))
 
     def to_json(self) -> str:
         return json.dumps({
