@@ -189,17 +189,23 @@ def test_real_text_dataset_end_to_end(megatron_world, tmp_path):
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(megatron, snake))
 
 
-def test_activation_offload_with_megatron_schedule_changes_no_number(megatron_world, tmp_path):
+@pytest.mark.parametrize("policy", ["adaptive", "all"])
+def test_activation_offload_with_megatron_schedule_changes_no_number(megatron_world, tmp_path,
+                                                                   policy):
     """--snake-activation-offload (SSDTrain on Megatron's own schedule): dropout on, same
-    seed, every loss bit-identical to the run without it."""
+    seed, every loss bit-identical to the run without it; the adaptive policy leaves its
+    plan in the offload directory, nothing else stays."""
     flags = [*SMALL, "--train-iters", "4", "--deterministic-mode", "--hidden-size", "64",
              "--seq-length", "64"]
     plain = pretrain(parse_args(flags))
     offloaded = pretrain(parse_args([*flags, "--snake-activation-offload",
+                                     "--snake-activation-offload-policy", policy,
                                      "--snake-activation-offload-min-bytes", "4096",
                                      "--snake-offload-dir", str(tmp_path)]))
     assert offloaded == plain
-    assert os.listdir(tmp_path) == [] or os.listdir(tmp_path / "rank0") == []
+    plan = ["saved_tensor_plan_rank0.json"] if policy == "adaptive" else []
+    assert os.listdir(tmp_path) == plan or sorted(os.listdir(tmp_path)) == ["rank0", *plan] \
+        and os.listdir(tmp_path / "rank0") == []
 
 
 def test_sigkill_during_a_step_then_resume(tmp_path):

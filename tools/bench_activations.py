@@ -57,12 +57,14 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
 
 import torch  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
+from megatron_snake.offload.adaptive import AdaptiveOffloader  # noqa: E402
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
@@ -139,8 +141,8 @@ class Residency:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-class MeasuredOffloader(SavedTensorOffloader):
-    """The offloader, reporting every saved tensor and every read back to a Residency."""
+class _Measured:
+    """An offloader, reporting every saved tensor and every read back to a Residency."""
 
     residency: Residency | None = None
 
@@ -169,6 +171,78 @@ class MeasuredOffloader(SavedTensorOffloader):
             fut.add_done_callback(done)
         else:
             done(fut)
+
+
+class MeasuredOffloader(_Measured, SavedTensorOffloader):
+    """Policy all: every saved tensor over --min-bytes."""
+
+
+class MeasuredAdaptive(_Measured, AdaptiveOffloader):
+    """Policy adaptive: profiled during the warm-up, then only what its plan hides."""
+
+
+# ---------------------------------------------------------------------- the emulated drive
+
+class _Handle:
+    def __init__(self, future):
+        self._future = future
+
+    def done(self):
+        return self._future.done()
+
+    def wait(self, prefetched=False):
+        return self._future.result()
+
+
+class EmulatedDrive:
+    """The store behind one drive of ``read_Bps`` / ``write_Bps`` (``--drive-mbps``): this
+    CPU computes about 2000x slower than an H100, so its real drive hides traffic an H100's
+    would not; slowed by that much, the bytes a step moves stand to its compute as on an
+    H100. One worker runs every put, get and delete in order (one FIFO queue, as one
+    drive), sleeping bytes / rate before handing it to the real store. A get of a record
+    whose write is still queued is served from the write's source, as the store forwards."""
+
+    def __init__(self, store, read_Bps: float, write_Bps: float):
+        self._store, self.read_Bps, self.write_Bps = store, read_Bps, write_Bps
+        self.device = store.device
+        self._worker = ThreadPoolExecutor(max_workers=1)
+        self._queued = {}                # key -> the source of a write not yet done
+        self._nbytes = {}
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put(self, key, tensor, tier="nvme", kind="misc"):
+        nbytes = tensor.numel() * tensor.element_size()
+        self._queued[key], self._nbytes[key] = tensor, nbytes
+
+        def write():
+            time.sleep(nbytes / self.write_Bps)
+            self._store.put(key, tensor, tier=tier, kind=kind).wait()
+            self._queued.pop(key, None)
+        return _Handle(self._worker.submit(write))
+
+    def get(self, key, device=None):
+        source = self._queued.get(key)
+        if source is not None:
+            done = Future()
+            done.set_result(source.clone())
+            return _Handle(done)
+
+        def read():
+            time.sleep(self._nbytes[key] / self.read_Bps)
+            return self._store.get(key, device=device).wait()
+        return _Handle(self._worker.submit(read))
+
+    def delete(self, key):
+        def delete():
+            self._nbytes.pop(key, None)
+            return self._store.delete(key).wait()
+        return _Handle(self._worker.submit(delete))
+
+    def synchronize(self):
+        self._worker.submit(lambda: None).result()
+        self._store.synchronize()
 
 
 # ---------------------------------------------------------------------- the benchmark
@@ -209,19 +283,24 @@ def _measure(fn, model, device, attach):
 def bench_case(model, seq, mbs, a, device, store):
     vocab = a.vocab
     batches = random_microbatches(a.micro_batches, mbs, seq, vocab, device=device)
-    offloader = MeasuredOffloader(store, a.tier, params=model.parameters(),
-                                  min_bytes=a.min_bytes, prefetch_depth=a.prefetch_depth)
+    kinds = {"all": MeasuredOffloader, "adaptive": MeasuredAdaptive}
+    extra = {"adaptive": {"profile_iters": a.warmup, "log": print}, "all": {}}
+    offloaders = {p: kinds[p](store, a.tier, params=model.parameters(), min_bytes=a.min_bytes,
+                              prefetch_depth=a.prefetch_depth, **extra[p])
+                  for p in a.policies}
 
     def baseline():
         megatron_forward_backward(model, batches)
 
-    def ours():
-        activation_offload_forward_backward(model, batches, offloader=offloader)
+    def offload(policy):
+        return lambda: activation_offload_forward_backward(model, batches,
+                                                           offloader=offloaders[policy])
 
-    runs = [("baseline", baseline), ("offload", ours)]
+    runs = [("baseline", baseline)] + [(p, offload(p)) for p in a.policies]
     times = {name: [] for name, _ in runs}
     for i in range(a.warmup + a.steps):
-        for name, fn in runs[i % 2:] + runs[:i % 2]:   # alternate the order
+        k = i % len(runs)
+        for name, fn in runs[k:] + runs[:k]:   # rotate the order
             model.zero_grad(set_to_none=True)
             t = _timed(fn, device)
             if i >= a.warmup:
@@ -236,29 +315,33 @@ def bench_case(model, seq, mbs, a, device, store):
         else:
             holder.pop("hooks").__exit__(None, None, None)
 
-    def attach_offload(res):
-        offloader.residency = res
-
     base_peak, base_cuda, base_saved = _measure(baseline, model, device, attach_baseline)
-    stats_before = dict(vars(offloader.stats))
-    off_peak, off_cuda, off_saved = _measure(ours, model, device, attach_offload)
-    stats = {k: v - stats_before[k] for k, v in vars(offloader.stats).items()}
-    model.zero_grad(set_to_none=True)
-
     r = {"seq": seq, "micro_batch_size": mbs, "micro_batches": a.micro_batches,
          "tokens_per_step": seq * mbs * a.micro_batches,
          "baseline_s": statistics.median(times["baseline"]),
-         "offload_s": statistics.median(times["offload"]),
-         "baseline_peak_bytes": base_peak, "offload_peak_bytes": off_peak,
-         "baseline_saved_bytes": base_saved, "offload_stats_measured_step": stats,
-         "all_s": times}
+         "baseline_peak_bytes": base_peak, "baseline_saved_bytes": base_saved,
+         "all_s": times, "policies": {}}
     if device.type == "cuda":
-        r["baseline_cuda_peak_bytes"], r["offload_cuda_peak_bytes"] = base_cuda, off_cuda
-        r["peak_ratio"] = off_cuda / base_cuda
-        r["saved_peak_ratio"] = off_peak / base_peak
-    else:
-        r["peak_ratio"] = off_peak / base_peak
-    r["time_ratio"] = r["offload_s"] / r["baseline_s"]
+        r["baseline_cuda_peak_bytes"] = base_cuda
+    for policy, offloader in offloaders.items():
+        def attach(res, offloader=offloader):
+            offloader.residency = res
+
+        stats_before = dict(vars(offloader.stats))
+        peak, cuda, _ = _measure(offload(policy), model, device, attach)
+        stats = {k: v - stats_before[k] for k, v in vars(offloader.stats).items()}
+        model.zero_grad(set_to_none=True)
+        p = {"offload_s": statistics.median(times[policy]), "offload_peak_bytes": peak,
+             "offload_stats_measured_step": stats}
+        if device.type == "cuda":
+            p["offload_cuda_peak_bytes"] = cuda
+            p["peak_ratio"], p["saved_peak_ratio"] = cuda / base_cuda, peak / base_peak
+        else:
+            p["peak_ratio"] = peak / base_peak
+        p["time_ratio"] = p["offload_s"] / r["baseline_s"]
+        r["policies"][policy] = p
+    # the first policy's figures at the top level too (spend_freed_memory, older readers)
+    r.update(r["policies"][a.policies[0]])
     return r
 
 
@@ -294,6 +377,12 @@ def main(argv=None) -> int:
     p.add_argument("--min-bytes", type=int, default=64 << 10,
                    help="saved tensors smaller than this stay in memory (default 64 KiB)")
     p.add_argument("--prefetch-depth", type=int, default=2)
+    p.add_argument("--policies", default="all,adaptive",
+                   help="offload policies to compare with the baseline, the first also "
+                        "spends the freed memory (default all,adaptive)")
+    p.add_argument("--drive-mbps", type=float, default=None,
+                   help="emulate a drive of this many MB/s each way (EmulatedDrive), for "
+                        "an H100's compute-to-drive ratio on a CPU (default: the real one)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -310,6 +399,9 @@ def main(argv=None) -> int:
                    help="the store's host staging pool in bytes")
     p.add_argument("--json-out", default="bench_activations.json")
     a = p.parse_args(argv)
+    a.policies = a.policies.split(",")
+    if not set(a.policies) <= {"all", "adaptive"} or a.warmup < 1:
+        p.error("--policies takes all and/or adaptive; --warmup (the adaptive profile) >= 1")
     if a.threads:
         torch.set_num_threads(a.threads)
     device = distributed.resolve_device(a.device)
@@ -321,7 +413,9 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     results = []
     try:
-        with TensorStore(root, rank=0, host_memory_limit=a.host_memory, device=device) as store:
+        with TensorStore(root, rank=0, host_memory_limit=a.host_memory, device=device) as real:
+            store = real if a.drive_mbps is None else \
+                EmulatedDrive(real, a.drive_mbps * 1e6, a.drive_mbps * 1e6)
             for seq in seqs:
                 args = parse_args(["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
                                    "--num-attention-heads", str(a.heads), "--seq-length",
@@ -333,15 +427,17 @@ def main(argv=None) -> int:
                 for mbs in sizes:
                     r = bench_case(model, seq, mbs, a, device, store)
                     results.append(r)
-                    st = r["offload_stats_measured_step"]
-                    print(f"seq {seq:5d} mbs {mbs} M {a.micro_batches}: step baseline "
-                          f"{r['baseline_s'] * 1e3:8.1f} ms offload {r['offload_s'] * 1e3:8.1f} "
-                          f"ms ({r['time_ratio']:.3f}) | peak activations baseline "
-                          f"{_peak(r, 'baseline') / 2**20:7.1f} MiB offload "
-                          f"{_peak(r, 'offload') / 2**20:7.1f} MiB ({r['peak_ratio']:.3f}) | "
-                          f"offloaded {st['offloaded']}/{st['saves']} saves, "
-                          f"{st['bytes_written'] / 2**20:.1f} MiB written, dedup "
-                          f"{st['dedup_hits']}, forwarded {st['forwarded']}", flush=True)
+                    for policy, pr in r["policies"].items():
+                        st = pr["offload_stats_measured_step"]
+                        print(f"seq {seq:5d} mbs {mbs} M {a.micro_batches}: step baseline "
+                              f"{r['baseline_s'] * 1e3:8.1f} ms {policy} "
+                              f"{pr['offload_s'] * 1e3:8.1f} ms ({pr['time_ratio']:.3f}) | "
+                              f"peak activations baseline {_peak(r, 'baseline') / 2**20:7.1f} "
+                              f"MiB {policy} {_peak(pr, 'offload') / 2**20:7.1f} MiB "
+                              f"({pr['peak_ratio']:.3f}) | offloaded "
+                              f"{st['offloaded']}/{st['saves']} saves, "
+                              f"{st['bytes_written'] / 2**20:.1f} MiB written, dedup "
+                              f"{st['dedup_hits']}, forwarded {st['forwarded']}", flush=True)
                 del model
     finally:
         if made:
@@ -351,18 +447,21 @@ def main(argv=None) -> int:
         print(f"spend freed memory, seq {s['seq']}: offload at micro-batch "
               f"{s['offload_micro_batch']} fits in baseline's peak at micro-batch "
               f"{s['baseline_micro_batch']}: throughput ratio {s['throughput_ratio']:.3f}")
-    peak_geo = statistics.geometric_mean([r["peak_ratio"] for r in results])
-    time_geo = statistics.geometric_mean([r["time_ratio"] for r in results])
+    geo = {policy: {f"{what}_ratio_geomean": statistics.geometric_mean(
+        [r["policies"][policy][f"{what}_ratio"] for r in results]) for what in ("peak", "time")}
+        for policy in a.policies}
     with open(a.json_out, "w") as f:
         json.dump({"device": str(device), "torch": torch.__version__,
                    "threads": torch.get_num_threads(), "args": vars(a), "cases": results,
                    "spend_freed_memory": spend,
                    "peak_measure": "cuda_max_memory_allocated" if device.type == "cuda"
                    else "saved_tensor_residency",
-                   "peak_ratio_geomean": peak_geo, "time_ratio_geomean": time_geo}, f, indent=1)
+                   "policies": geo, **geo[a.policies[0]]}, f, indent=1)
     distributed.shutdown()
-    print(f"ratio offload/baseline (geometric mean over {len(results)} cases): peak activation "
-          f"memory {peak_geo:.3f} | step time {time_geo:.3f}")
+    for policy, g in geo.items():
+        print(f"ratio {policy}/baseline (geometric mean over {len(results)} cases): peak "
+              f"activation memory {g['peak_ratio_geomean']:.3f} | step time "
+              f"{g['time_ratio_geomean']:.3f}")
     return 0
 
 

@@ -78,6 +78,7 @@ class _Stored:
     nbytes: int
     put: object                  # the store's put Handle
     index: int                   # position in pack order
+    group: int = 0               # micro-batch it was packed in (the adaptive policy's)
     refs: int = 0                # live _Saved records pointing here
     fetch: object = None         # the store's get Handle once read back is issued
     prefetched: bool = False     # that read was issued ahead of the entry's unpack
@@ -150,6 +151,18 @@ class SavedTensorOffloader:
         for handle in writes:
             handle.wait()
 
+    # The step protocol ActivationOffloadStep follows; the adaptive policy
+    # (offload/adaptive.py) profiles and plans by it, offloading everything needs none of it.
+
+    def begin_step(self, forward_only: bool = False):
+        pass
+
+    def begin_microbatch(self):
+        pass
+
+    def end_step(self):
+        pass
+
     def live_entries(self) -> int:
         return self._live
 
@@ -179,6 +192,9 @@ class SavedTensorOffloader:
         if self._keep(t):
             self.stats.kept += 1
             return t
+        return self._offload(t)
+
+    def _offload(self, t: torch.Tensor) -> "_Saved":
         storage = t.untyped_storage()
         slot = (t.device, storage.data_ptr())
         with self._lock:
@@ -290,6 +306,7 @@ def offloaded_forward_step(forward_step_func, offloader: SavedTensorOffloader):
 
     @functools.wraps(forward_step_func)
     def forward_step(data_iterator, model, *args):
+        offloader.begin_microbatch()
         with offloader:
             output, loss_func = forward_step_func(data_iterator, model, *args)
 

@@ -77,11 +77,14 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="where unit inputs wait for backward "
                         "(default: auto if vertical, else nvme)")
     g.add_argument("--snake-profile-iters", type=int, default=2,
-                   help="iterations profiled for the auto tier (default: %(default)s)")
+                   help="iterations profiled for auto tier, adaptive offload (default: %(default)s)")
     g.add_argument("--snake-plan-json", default=None,
                    help="auto tier's plan (default: in --snake-offload-dir)")
     g.add_argument("--snake-activation-offload", action="store_true",
                    help="SSDTrain: offload the tensors autograd saves")
+    g.add_argument("--snake-activation-offload-policy", default="adaptive",
+                   choices=("adaptive", "all"),
+                   help="offload the saves the plan hides, or all (default: %(default)s)")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay in memory (default: 1 MiB)")
     g.add_argument("--snake-param-tier", default=None, choices=("host", "nvme", "auto"),
@@ -201,6 +204,9 @@ def _validate_activation_tier(args, parser) -> None:
             args.snake_activation_tier == "device":
         fail(parser, "--snake-activation-tier", "use host or nvme with "
              "--snake-activation-offload")
+    if args.snake_activation_offload and args.snake_profile_iters < 1:
+        fail(parser, "--snake-profile-iters", "must be >= 1: the saved-tensor offload plan "
+             "and the auto tier's are made from profiled iterations")
     if args.snake_activation_tier == "auto" and args.snake_schedule == "horizontal":
         fail(parser, "--snake-activation-tier", "auto plans the vertical schedule's "
              "checkpoints; the horizontal ablation has none to plan: use host or nvme")

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
 
+from megatron_snake.offload.adaptive import AdaptiveOffloader
 from megatron_snake.offload.activation_plan import (ActivationPlanner, PlanPathError,
                                                     check_plan_path)
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
@@ -66,9 +67,11 @@ class ActivationOffloadStep:
         self.offloader.reset_peak()
         for m in (model if isinstance(model, list) else [model]):
             self.offloader.add_parameters(m.parameters())  # weights are never offloaded
+        self.offloader.begin_step(forward_only)
         reports = megatron_schedule()(
             forward_step_func=offloaded_forward_step(forward_step_func, self.offloader),
             model=model, forward_only=forward_only, **kwargs)
+        self.offloader.end_step()
         self.offloader.synchronize()
         self.activation_peak = {} if forward_only else {"saved tensors":
                                                        dict(self.offloader.peak)}
@@ -124,12 +127,28 @@ def make_forward_backward(args, tensor_store=None, device=None, weights=None, un
     ``weights`` (an OffloadedUnits, which then owns the gradients) and the unit partition is
     ``units`` (a GPTUnits made once for the run), when given."""
     if args.snake_activation_offload and not args.snake_offload:
-        return ActivationOffloadStep(SavedTensorOffloader(
-            tensor_store, args.snake_activation_tier,
-            min_bytes=args.snake_activation_offload_min_bytes))
+        return ActivationOffloadStep(saved_tensor_offloader(args, tensor_store))
     if not args.snake_offload:
         return megatron_schedule()
     return SnakeStep(args, tensor_store, device, weights, units)
+
+
+def saved_tensor_offloader(args, tensor_store) -> SavedTensorOffloader:
+    """The offloader of ``--snake-activation-offload`` on Megatron's schedule: every save
+    over the minimum (policy all), or those the profiled plan hides (adaptive; its plan is
+    written beside this rank's offload directory when there is one)."""
+    if args.snake_activation_offload_policy == "all":
+        return SavedTensorOffloader(tensor_store, args.snake_activation_tier,
+                                    min_bytes=args.snake_activation_offload_min_bytes)
+    path = None
+    if args.snake_offload_dir:
+        path = os.path.join(tensor_store.dir.root,
+                            f"saved_tensor_plan_rank{tensor_store.dir.rank}.json")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return AdaptiveOffloader(tensor_store, args.snake_activation_tier,
+                             min_bytes=args.snake_activation_offload_min_bytes,
+                             profile_iters=args.snake_profile_iters, plan_path=path,
+                             log=print if rank0 else (lambda *a: None))
 
 
 class SnakeStep:
