@@ -110,3 +110,29 @@ def test_changed_saves_are_kept_and_profiled_again(model, store):
     *got, offloaded = _step(model, bigger, off)   # profiled: everything kept
     _assert_same(got, ref)
     assert offloaded == 0 and off.plans_made == 2
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--snake-activation-offload-policy", "all"], "applies with --snake-activation-offload"),
+    (["--snake-offload", "--snake-activation-offload", "--snake-activation-offload-policy",
+      "adaptive"], "adaptive plans Megatron's schedule"),
+])
+def test_the_policy_is_refused_where_it_does_not_apply(flags, why, capsys):
+    from megatron_snake.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("pretrain_gpt.py: error: --snake-activation-offload-policy: ") and \
+        why in err, err
+
+
+def test_the_policy_defaults_to_adaptive_on_megatrons_schedule():
+    from megatron_snake.training.arguments import parse_args
+
+    assert parse_args(["--snake-activation-offload"]).snake_activation_offload_policy == \
+        "adaptive"
+    assert parse_args(["--snake-offload", "--snake-activation-offload"]) \
+        .snake_activation_offload_policy == "all"
+    assert parse_args([]).snake_activation_offload_policy is None

@@ -82,9 +82,9 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto tier's plan (default: in --snake-offload-dir)")
     g.add_argument("--snake-activation-offload", action="store_true",
                    help="SSDTrain: offload the tensors autograd saves")
-    g.add_argument("--snake-activation-offload-policy", default="adaptive",
+    g.add_argument("--snake-activation-offload-policy", default=None,
                    choices=("adaptive", "all"),
-                   help="offload the saves the plan hides, or all (default: %(default)s)")
+                   help="saves the plan hides, or all (default: adaptive; all in units)")
     g.add_argument("--snake-activation-offload-min-bytes", type=int, default=1 << 20,
                    help="saved tensors smaller than this stay in memory (default: 1 MiB)")
     g.add_argument("--snake-param-tier", default=None, choices=("host", "nvme", "auto"),
@@ -204,6 +204,16 @@ def _validate_activation_tier(args, parser) -> None:
             args.snake_activation_tier == "device":
         fail(parser, "--snake-activation-tier", "use host or nvme with "
              "--snake-activation-offload")
+    policy = args.snake_activation_offload_policy
+    if policy is not None and not args.snake_activation_offload:
+        fail(parser, "--snake-activation-offload-policy", "applies with "
+             "--snake-activation-offload: add it, or drop the policy")
+    if policy == "adaptive" and args.snake_offload:
+        fail(parser, "--snake-activation-offload-policy", "adaptive plans Megatron's "
+             "schedule; with --snake-offload the saved tensors inside each unit's recompute "
+             "all go (policy all): drop the flag")
+    if args.snake_activation_offload and policy is None:
+        args.snake_activation_offload_policy = "all" if args.snake_offload else "adaptive"
     if args.snake_activation_offload and args.snake_profile_iters < 1:
         fail(parser, "--snake-profile-iters", "must be >= 1: the saved-tensor offload plan "
              "and the auto tier's are made from profiled iterations")
