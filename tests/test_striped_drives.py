@@ -47,8 +47,10 @@ def test_records_round_trip_over_both_directories(dirs, engine):
     values = _values(gen)
     with TensorStore(dirs, engine=engine, host_memory_limit=32 * BUF, buffer_bytes=BUF) as s:
         assert [d.root for d in s.dirs] == [str(d) for d in dirs]
+        s.put("big", values["big"], tier="nvme").wait()   # alone: its placement is its own
         for key, v in values.items():
-            s.put(key, v, tier="nvme")
+            if key != "big":
+                s.put(key, v, tier="nvme")
         for key, v in values.items():
             got = s.get(key).wait()
             assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), key
@@ -76,6 +78,20 @@ def test_records_round_trip_over_both_directories(dirs, engine):
         s.delete("odd").wait()
         assert _used(s, dirs[0]) == _used(s, dirs[1]) == 0
     assert not any((d / "rank0").exists() for d in dirs)     # both removed at close
+
+
+@pytest.mark.parametrize("sizes", [
+    [3 * BUF // 2] * 20,                 # as many segments as drives, the last one short
+    [BUF - 4096, 4096] * 20,             # one-segment records, large and small in turn
+])
+def test_the_drives_hold_the_same_bytes_within_a_segment(dirs, sizes):
+    """Whatever the records' sizes, each drive ends up within one segment of the others:
+    the equal shares the space checks reserve hold."""
+    with TensorStore(dirs, host_memory_limit=32 * BUF, buffer_bytes=BUF) as s:
+        for i, n in enumerate(sizes):
+            s.put(("r", i), torch.zeros(n, dtype=torch.uint8), tier="nvme").wait()
+        a, b = (_used(s, d) for d in dirs)
+        assert abs(a - b) <= BUF, (a, b)
 
 
 def test_one_directory_in_a_list_is_the_single_directory(tmp_path):

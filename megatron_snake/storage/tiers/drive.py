@@ -14,14 +14,17 @@ IntegrityError naming the key and the file) in a staging buffer and copies the p
 or lands in the host tier's buffers directly (a prefetch into host memory).
 
 Several directories (``--snake-offload-dir a,b``: one per drive) are striped: each segment
-goes to the next directory in turn, and its request to that directory's own engine. One
-rule serves both sizes of record: a large record's consecutive segments are on different
-drives, so its reads and writes keep every drive busy at once, and the one-segment records
-spread evenly over them. A record could instead go whole to one drive and large ones be cut
-in N, but that needs a second placement and a size to switch at, for no more drives busy:
-the segments (a host buffer each, 64 MiB by default) are already the unit of a request.
-Equal shares mean the fullest drive fills first: the space checks give each directory its
-share, and the one that cannot hold it is the one named.
+goes to the directory whose files hold the fewest bytes then, and its request to that
+directory's own engine. One rule serves both sizes of record: a large record's consecutive
+segments land on different drives (each one placed makes its drive the fuller), so its
+reads and writes keep every drive busy at once, and records of any mix of sizes leave the
+drives within one segment of each other, which the space checks' equal shares rely on (a
+fixed turn would not: records of as many segments as drives would all start on the first
+and put their short last segments on the last). A record could instead go whole to one
+drive and large ones be cut in N, but that needs a second placement and a size to switch
+at, for no more drives busy: the segments (a host buffer each) are already the unit of a
+request. The space checks give each directory its share, and the one that cannot hold it
+is the one named.
 
 The store calls only the ``DriveTier`` interface (``tiers.open_drive`` makes one):
 ``DriveTier``'s docstring says what it provides."""
@@ -68,20 +71,21 @@ class DriveTier(Tier):
         self.run_id = run_id
         self.gds = None
         self.checksum = Checksum()
-        self._turn, self._turn_lock = 0, threading.Lock()   # the next segment's drive
+        self._place_lock = threading.Lock()   # a drive is chosen and allocated at once
         self.host = self.pool = None   # stage_through
 
     def stage_through(self, host) -> None:
         """Move bytes through ``host``'s buffers: its pool's for staging, its records'."""
         self.host, self.pool = host, host.pool
 
-    def _drives_for(self, nsegs):
-        """The drive of each of a record's ``nsegs`` segments: the next ones in turn."""
-        n = len(self.drives)
-        with self._turn_lock:
-            first = self._turn
-            self._turn = (first + nsegs) % n
-        return [self.drives[(first + i) % n] for i in range(nsegs)]
+    def _place(self, kind, nbytes):
+        """Room for ``nbytes`` of ``kind`` on the drive whose files hold the fewest bytes
+        (the first in order among equals): (drive, its swap file, offset, length)."""
+        with self._place_lock:
+            d = min(self.drives, key=lambda d: d.used())
+            f = d.file(kind, self.checksum)
+            off, length = f.allocate(nbytes)
+        return d, f, off, length
 
     # ---------------------------------------------------------------- files and space
 
@@ -89,8 +93,8 @@ class DriveTier(Tier):
         return [(d.files[rec.kind].path, off, ln) for d, off, ln in (rec.nvme or [])]
 
     def _share(self, nbytes) -> int:
-        """A drive's share of ``nbytes`` placed in turn: the rounding's segment on top when
-        they are striped (one drive may hold one segment more than another)."""
+        """A drive's share of ``nbytes`` placed by ``_place``: the even share and one
+        segment on top when they are striped (the drives stay within a segment)."""
         n = len(self.drives)
         return nbytes if n == 1 else -(-nbytes // n) + self.host.seg_payload
 
@@ -164,12 +168,10 @@ class DriveTier(Tier):
         when None, from rec.host: each segment to its drive, all in flight at once."""
         with timeline.span(f"drive write {rec.kind}", "drive", bytes=rec.nbytes):
             segs = self.host.segments(rec.nbytes)
-            drives = self._drives_for(len(segs))
             extents, pending = [], []      # pending: (request, buffer or None)
             loose = None                   # a staging buffer not yet in pending
             try:
-                for (seg, a, b), d in zip(segs, drives):
-                    f = d.file(rec.kind, self.checksum)
+                for seg, a, b in segs:
                     n = b - a
                     if src_bytes is None:
                         buf = rec.host[seg]
@@ -180,7 +182,7 @@ class DriveTier(Tier):
                         self.copies.across([(payload(buf, n), src_bytes[a:b])], "d2h",
                                            from_device)
                         self._seal(rec, buf, seg, n)
-                    off, length = f.allocate(REC_HEADER_BYTES + n)
+                    d, f, off, length = self._place(rec.kind, REC_HEADER_BYTES + n)
                     extents.append((d, off, length))
                     req = d.engine.write(f.fd, f.path, buf.addr, length, off)
                     self.counters.inflight(+1)

@@ -41,6 +41,10 @@ class DriveDir:
                     self.files[kind] = f
         return f
 
+    def used(self) -> int:
+        """Bytes its files' records take (what the drive tier balances)."""
+        return sum(f.used for f in self.files.values())
+
     def held(self) -> int:
         """Bytes its files hold on the drive."""
         return sum(f.size for f in self.files.values())

@@ -11,9 +11,10 @@ stream's order, so a read into a buffer the caller may still use waits on the ho
 A GDS record cannot be read into host buffers directly (``fills_host``): a prefetch to the
 host tier reads it into device memory first.
 
-Over several directories a GDS record goes whole to the next one in turn (kvikio reads
-and writes any of their files): GDS records are spread over the drives, but one record is
-on one drive, since its payload is one extent after one header block."""
+Over several directories a GDS record goes whole to the one whose files hold the fewest
+bytes (kvikio reads and writes any of their files): GDS records are spread over the
+drives, but one record is on one drive, since its payload is one extent after one header
+block, so the drives stay within one such record of each other."""
 
 import torch
 
@@ -61,9 +62,7 @@ class GdsDriveTier(DriveTier):
 
     def _write_gds(self, rec, src_bytes):
         """One GPUDirect record: header block through the host engine, payload by kvikio."""
-        d, = self._drives_for(1)
-        f = d.file(rec.kind, self.checksum)
-        off, length = f.allocate(HEADER_BLOCK + rec.nbytes)
+        d, f, off, length = self._place(rec.kind, HEADER_BLOCK + rec.nbytes)
         buf, = self.pool.acquire(1)
         try:
             with self.copies.on("d2h"):       # off the compute stream
