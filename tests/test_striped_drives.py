@@ -277,3 +277,17 @@ def test_the_preflight_checks_directories_on_one_file_system_together(dirs):
     assert str(exc.value).count("--snake-offload-dir") == 2, str(exc.value)   # one error
     assert f"on its file system, with {dirs[1]}'s" in str(exc.value)
     preflight.check(pf, args, [both, both])
+
+
+def test_the_save_checkpoints_count_on_their_own_file_system_alone(dirs, two_drives):
+    """What ``also`` adds (the --save checkpoints) lands on one directory's file system:
+    checked there, not spread over the drives."""
+    free = {str(dirs[0] / "rank0"): 1 << 30, str(dirs[1] / "rank0"): 1 << 30}
+    with TensorStore(dirs, host_memory_limit=8 * BUF, buffer_bytes=BUF,
+                     free_space_probe=free.__getitem__) as s:
+        # 600 MiB of checkpoints: spread, 300 MiB each would fit beside 200 MiB each
+        s.check_capacity(400 << 20)
+        with pytest.raises(CapacityError) as exc:
+            s.check_capacity(400 << 20, {str(dirs[1] / "rank0"): 600 << 20})
+        assert str(exc.value).startswith(f"--snake-offload-dir {dirs[1]} (rank 0)")
+        s.check_capacity(400 << 20, {str(dirs[1] / "rank0"): 400 << 20})

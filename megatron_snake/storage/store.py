@@ -449,9 +449,11 @@ class TensorStore:
         """Host buffers a record of ``nbytes`` holds while it lives on the host tier."""
         return self._host.buffers_for(nbytes)
 
-    def check_capacity(self, nbytes_planned):
-        """Raise CapacityError unless nbytes_planned fit on the offload drive (with margin)."""
-        return self._drive.check_capacity(nbytes_planned)
+    def check_capacity(self, nbytes_planned, also=None):
+        """Raise CapacityError unless nbytes_planned, striped over the offload drives, fit
+        (with margin); ``also``: {rank directory path: bytes} more on that directory's file
+        system alone (the --save checkpoints)."""
+        return self._drive.check_capacity(nbytes_planned, also)
 
     def synchronize(self):
         """Wait for every pending operation (errors are raised by their own handles)."""

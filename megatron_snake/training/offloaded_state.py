@@ -550,11 +550,14 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
         planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
         if initial is not None:   # held until the state is built from them: counted too
             planned += initial.nbytes
+        # the --save checkpoints land on one file system: counted there alone
+        saved_on = next((d.path for d in store.dirs if saves_to_offload_drive(args, d.path)),
+                        None)
         saved = checkpoint_bytes_planned(
             args, full_numel * elem, Precision.from_args(args).checkpoint_bytes * numel) \
-            if any(saves_to_offload_drive(args, d.path) for d in store.dirs) else 0
+            if saved_on else 0
         try:
-            capacity = store.check_capacity(planned + saved)
+            capacity = store.check_capacity(planned, {saved_on: saved} if saved else None)
         except CapacityError as exc:
             if not saved:
                 raise

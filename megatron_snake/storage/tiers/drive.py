@@ -50,7 +50,7 @@ class DriveTier(Tier):
                   a record straight from / into host buffers (``rec.host``, ``bufs``),
                   sealing or verifying their headers in place, no staging copy
     ``location(rec)``  [(path, offset, length)] of the record's extents
-    ``preallocate(kind, nbytes)``, ``check_capacity(nbytes)``  the drives' space
+    ``preallocate(kind, nbytes)``, ``check_capacity(nbytes, also)``  the drives' space
     ``dir``, ``engine``, ``gds``  the first rank directory, its engine, the GDS backend
     ``drives``    its directories (drive_dir.py), in the order given
     ``describe()``  the engine and the drives, for the store's summary
@@ -115,13 +115,15 @@ class DriveTier(Tier):
             groups.setdefault(os.stat(d.path).st_dev, []).append(d)
         return list(groups.values())
 
-    def check_capacity(self, nbytes_planned):
+    def check_capacity(self, nbytes_planned, also=None):
         """Raise CapacityError, naming a directory, unless each file system can take the
-        shares of nbytes_planned of the directories on it (with margin); returns (needed,
-        free) summed over the file systems."""
-        share = self._share(nbytes_planned)
-        checked = [group[0].dir.check_capacity(share * len(group),
-                                               sum(d.held() for d in group))
+        shares of nbytes_planned of the directories on it (with margin) and the bytes
+        ``also`` puts on them ({directory path: bytes}); returns (needed, free) summed over
+        the file systems."""
+        share, also = self._share(nbytes_planned), also or {}
+        checked = [group[0].dir.check_capacity(
+                       share * len(group) + sum(also.get(d.path, 0) for d in group),
+                       sum(d.held() for d in group))
                    for group in self._by_file_system()]
         return tuple(map(sum, zip(*checked)))
 
