@@ -136,3 +136,21 @@ def test_the_policy_defaults_to_adaptive_on_megatrons_schedule():
     assert parse_args(["--snake-offload", "--snake-activation-offload"]) \
         .snake_activation_offload_policy == "all"
     assert parse_args([]).snake_activation_offload_policy is None
+
+
+def test_out_of_memory_while_profiling_names_the_policy(store, monkeypatch):
+    """A profiled iteration keeps every saved tensor: where that does not fit the device,
+    the error is the user's one line naming the flag that offloads them all."""
+    from megatron_snake.errors import UserError
+    from megatron_snake.training import step as step_module
+
+    def schedule(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(step_module, "megatron_schedule", lambda: schedule)
+    offload = step_module.ActivationOffloadStep(AdaptiveOffloader(store, "host"))
+    with pytest.raises(UserError, match="--snake-activation-offload-policy all"):
+        offload(forward_step_func=None, model=[])
+    offload.offloader.plan = object()      # past the profile, the error is not ours
+    with pytest.raises(torch.OutOfMemoryError):
+        offload(forward_step_func=None, model=[])

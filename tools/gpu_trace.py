@@ -578,6 +578,8 @@ def idle_line(r: dict) -> str:
     if r["device_row"].startswith("cpu"):
         return f"gpu idle fraction: {r['idle_fraction']:.4f} (CPU smoke test: main-thread " \
             "idle between ops)"
+    if r["compute_idle_fraction"] is None:     # an empty step
+        return f"gpu idle fraction: {r['idle_fraction']:.4f}"
     return f"gpu idle fraction: {r['idle_fraction']:.4f} (no kernel running: " \
         f"{r['compute_idle_fraction']:.4f})"
 

@@ -84,7 +84,8 @@ class AdaptiveOffloader(SavedTensorOffloader):
                  **kwargs):
         """``rates``: a callable returning the tier's (read, write) bytes per second given
         the largest save's bytes (default: measured through the store)."""
-        super().__init__(store, tier, **kwargs)
+        # reads are issued where the plan says, not a fixed depth ahead of each unpack
+        super().__init__(store, tier, **{"prefetch_depth": 0, **kwargs})
         if profile_iters < 1:
             raise ValueError(f"profile_iters must be >= 1, got {profile_iters}")
         self.profile_iters, self.allowance = profile_iters, allowance
@@ -106,6 +107,12 @@ class AdaptiveOffloader(SavedTensorOffloader):
         self._pending_reads = {}        # group -> [(issue_at, entry)] in read order
 
     # ------------------------------------------------------------------ step protocol
+
+    @property
+    def profiling(self) -> bool:
+        """This step keeps every saved tensor (to time them): it needs the memory of a run
+        without offload."""
+        return self._recording
 
     def begin_step(self, forward_only: bool = False):
         self._recording = not forward_only and self.plan is None
@@ -201,8 +208,9 @@ class AdaptiveOffloader(SavedTensorOffloader):
                 cand.unpacks.append(mark)
             elif self._apply:
                 reads = self._pending_reads.get(group, [])
-                while reads and reads[0][0] <= k:
-                    entry = reads.pop(0)[1]
+                due = [r for r in reads if r[0] <= k]   # in read order, ties included
+                reads[:] = [r for r in reads if r[0] > k]
+                for _, entry, _ in due:
                     if entry.refs > 0 and entry.fetch is None:
                         self._fetch(entry)
                         entry.prefetched = True

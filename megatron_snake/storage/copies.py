@@ -56,12 +56,14 @@ def on_stream(stream):
     if stream is None:
         yield
         return
+    device = torch._C._cuda_getDevice()   # set_stream makes the stream's device current
     previous = torch.cuda.current_stream(stream.device)
     torch.cuda.set_stream(stream)
     try:
         yield
     finally:
         torch.cuda.set_stream(previous)
+        torch._C._cuda_setDevice(device)
 
 
 def empty_on(device: torch.device, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
 
+from megatron_snake.errors import UserError
 from megatron_snake.offload.adaptive import AdaptiveOffloader
 from megatron_snake.offload.activation_plan import (ActivationPlanner, PlanPathError,
                                                     check_plan_path)
@@ -56,6 +58,10 @@ def activation_offload_forward_backward(model, microbatches, *, offloader,
                               forward_only=forward_only))
 
 
+class ProfileOutOfMemory(UserError, MemoryError):
+    """The adaptive policy's profiled iteration (nothing offloaded) did not fit."""
+
+
 class ActivationOffloadStep:
     """Megatron's schedule with the tensors autograd saves in the user's forward step
     offloaded (``--snake-activation-offload`` without ``--snake-offload``)."""
@@ -68,9 +74,19 @@ class ActivationOffloadStep:
         for m in (model if isinstance(model, list) else [model]):
             self.offloader.add_parameters(m.parameters())  # weights are never offloaded
         self.offloader.begin_step(forward_only)
-        reports = megatron_schedule()(
-            forward_step_func=offloaded_forward_step(forward_step_func, self.offloader),
-            model=model, forward_only=forward_only, **kwargs)
+        try:
+            reports = megatron_schedule()(
+                forward_step_func=offloaded_forward_step(forward_step_func, self.offloader),
+                model=model, forward_only=forward_only, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if getattr(self.offloader, "profiling", False):
+                raise ProfileOutOfMemory(
+                    "--snake-activation-offload-policy adaptive: out of device memory in a "
+                    "profiled iteration, which keeps every saved tensor to time it; use "
+                    "--snake-activation-offload-policy all (every saved tensor over "
+                    "--snake-activation-offload-min-bytes goes), or a smaller "
+                    "--micro-batch-size") from exc
+            raise
         self.offloader.end_step()
         self.offloader.synchronize()
         self.activation_peak = {} if forward_only else {"saved tensors":
@@ -144,6 +160,10 @@ def saved_tensor_offloader(args, tensor_store) -> SavedTensorOffloader:
     if args.snake_offload_dir:
         path = os.path.join(tensor_store.dir.root,
                             f"saved_tensor_plan_rank{tensor_store.dir.rank}.json")
+        if os.path.isdir(path) and not os.path.islink(path):   # refused now, not when written
+            raise PlanPathError(
+                f"the saved-tensor offload plan's path {path} (in --snake-offload-dir "
+                f"{tensor_store.dir.root}) is a directory this run did not make; remove it")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     return AdaptiveOffloader(tensor_store, args.snake_activation_tier,
                              min_bytes=args.snake_activation_offload_min_bytes,

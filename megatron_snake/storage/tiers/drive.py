@@ -147,7 +147,15 @@ class DriveTier(Tier):
         directories; returns [(path, bytes, OSError)] of what could not be removed."""
         if self.gds is not None:
             self.gds.close()
-        return [item for d in self.drives for item in d.close(remove_files)]
+        left, failed = [], None
+        for d in self.drives:        # every one closed, whichever fails
+            try:
+                left += d.close(remove_files)
+            except Exception as exc:  # noqa: BLE001 - raised once the others are closed
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        return left
 
     def left_behind(self, left):
         """One error for what could not be removed, naming each directory's files."""
