@@ -5,6 +5,7 @@ change by a bit), and one too slow to hide anything gets none."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,12 @@ def test_slow_tier_offloads_nothing(model, store):
     *got, offloaded = _step(model, mbs, off)
     _assert_same(got, ref)
     assert offloaded == 0 and store.counters.written["nvme"] == 0
+    # nothing planned: the step runs without the hooks, and a save would be left as it is
+    assert off.leaves_all
+    off.begin_step()
+    saved = torch.randn(4096)
+    assert off._pack(saved) is saved
+    off.end_step()
 
 
 def test_changed_saves_are_kept_and_profiled_again(model, store):
@@ -151,6 +158,6 @@ def test_out_of_memory_while_profiling_names_the_policy(store, monkeypatch):
     offload = step_module.ActivationOffloadStep(AdaptiveOffloader(store, "host"))
     with pytest.raises(UserError, match="--snake-activation-offload-policy all"):
         offload(forward_step_func=None, model=[])
-    offload.offloader.plan = object()      # past the profile, the error is not ours
+    offload.offloader.plan = SimpleNamespace(offload={})   # past the profile: not ours
     with pytest.raises(torch.OutOfMemoryError):
         offload(forward_step_func=None, model=[])

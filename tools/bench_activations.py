@@ -328,7 +328,11 @@ def bench_case(model, seq, mbs, a, device, store):
             offloader.residency = res
 
         stats_before = dict(vars(offloader.stats))
-        peak, cuda, _ = _measure(offload(policy), model, device, attach)
+        # a plan that offloads nothing runs without the offloader's hooks: its saved tensors
+        # are measured as the baseline's are
+        peak, cuda, _ = _measure(offload(policy), model, device,
+                                 attach_baseline if getattr(offloader, "leaves_all", False)
+                                 else attach)
         stats = {k: v - stats_before[k] for k, v in vars(offloader.stats).items()}
         model.zero_grad(set_to_none=True)
         p = {"offload_s": statistics.median(times[policy]), "offload_peak_bytes": peak,

@@ -109,6 +109,11 @@ class AdaptiveOffloader(SavedTensorOffloader):
     # ------------------------------------------------------------------ step protocol
 
     @property
+    def leaves_all(self) -> bool:
+        """The plan offloads nothing: the step need not run under the hooks at all."""
+        return self.plan is not None and not self.plan.offload
+
+    @property
     def profiling(self) -> bool:
         """This step keeps every saved tensor (to time them): it needs the memory of a run
         without offload."""
@@ -116,7 +121,9 @@ class AdaptiveOffloader(SavedTensorOffloader):
 
     def begin_step(self, forward_only: bool = False):
         self._recording = not forward_only and self.plan is None
-        self._apply = not forward_only and self.plan is not None
+        # a plan that offloads nothing is followed by leaving every save alone: no
+        # candidate is tracked, so the step costs what it would without the hooks' work
+        self._apply = not forward_only and self.plan is not None and bool(self.plan.offload)
         self._clock = _Clock(self.store.device.type == "cuda") if self._recording else None
         self._group, self._next_ordinal = -1, 0
         self._candidates, self._recorded = {}, []

@@ -74,10 +74,12 @@ class ActivationOffloadStep:
         for m in (model if isinstance(model, list) else [model]):
             self.offloader.add_parameters(m.parameters())  # weights are never offloaded
         self.offloader.begin_step(forward_only)
+        # a plan that offloads nothing costs nothing: the user's forward step runs bare
+        step_func = forward_step_func if getattr(self.offloader, "leaves_all", False) else \
+            offloaded_forward_step(forward_step_func, self.offloader)
         try:
-            reports = megatron_schedule()(
-                forward_step_func=offloaded_forward_step(forward_step_func, self.offloader),
-                model=model, forward_only=forward_only, **kwargs)
+            reports = megatron_schedule()(forward_step_func=step_func, model=model,
+                                          forward_only=forward_only, **kwargs)
         except torch.OutOfMemoryError as exc:
             if getattr(self.offloader, "profiling", False):
                 raise ProfileOutOfMemory(
