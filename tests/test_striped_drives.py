@@ -126,11 +126,10 @@ def test_a_directory_given_twice_is_refused(dirs):
 def two_drives(monkeypatch):
     """The temporary directories as if each were on a drive of its own (they share this
     machine's one file system, whose free space the checks would otherwise split)."""
-    from megatron_snake.storage.tiers.drive import DriveTier
-    from megatron_snake.training import preflight
+    from megatron_snake.storage import directory
 
-    monkeypatch.setattr(DriveTier, "_by_file_system", lambda self: [[d] for d in self.drives])
-    monkeypatch.setattr(preflight, "same_file_system", lambda paths, i: [i])
+    monkeypatch.setattr(directory, "file_system_groups",
+                        lambda paths: [[i] for i in range(len(paths))])
 
 
 def test_the_capacity_check_names_the_directory_without_room(dirs, two_drives):

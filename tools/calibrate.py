@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_snake.models.gpt_units import GPTUnits  # noqa: E402
 from megatron_snake.planner import Hardware  # noqa: E402
+from megatron_snake.storage.directory import file_system_groups  # noqa: E402
 from megatron_snake.storage.host_heap import bound_host_heap  # noqa: E402
 from megatron_snake.storage.safe_files import write_file_atomically  # noqa: E402
 from megatron_snake.training import calibration, distributed  # noqa: E402
@@ -266,8 +267,9 @@ def main(argv=None) -> int:
         drive_write = statistics.median(r["write"] for r in passes)
         # striped over --snake-offload-dir's directories: the rates above are all of
         # them together; the capacity is each file system's once
-        filesystems = {os.stat(d.path).st_dev: os.statvfs(d.path) for d in store.dirs}
-        capacity = sum(v.f_blocks * v.f_frsize for v in filesystems.values())
+        paths = [d.path for d in store.dirs]
+        capacity = sum(v.f_blocks * v.f_frsize for v in (
+            os.statvfs(paths[group[0]]) for group in file_system_groups(paths)))
         drives = len(store.dirs)
         print("> a layer beside the drive's I/O ...", flush=True)
         rates["io_compute_slowdown"] = io_compute_slowdown(args, device, vocab, store)

@@ -37,6 +37,27 @@ def disk_free_bytes(path):
     return shutil.disk_usage(path).free
 
 
+def named_twice(paths, same=os.path.realpath) -> list:
+    """The entries of ``paths`` that name a directory another entry names too (compared by
+    ``same``: the real path by default), in their order: --snake-offload-dir's lists."""
+    keys = [same(p) for p in paths]
+    return [p for p, k in zip(paths, keys) if keys.count(k) > 1]
+
+
+def file_system_groups(paths) -> list[list[int]]:
+    """The indexes of ``paths`` grouped by the file system each is on, in the order of their
+    first member (a path that does not exist yet is a group of its own): directories on one
+    file system share its free space, so the space checks take them together."""
+    groups = {}
+    for i, path in enumerate(paths):
+        try:
+            key = os.stat(path).st_dev
+        except OSError:
+            key = ("missing", i)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 class UnsafeOffloadDirError(UnsafePathError, OffloadDirError):
     """An entry in the offload directory is a symbolic link, not the kind expected, or owned
     by another user: both an UnsafePathError and an OffloadDirError."""

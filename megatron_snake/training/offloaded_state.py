@@ -16,6 +16,7 @@ import torch
 
 from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.storage.directory import named_twice
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_heap import bound_host_heap, keep_heap_trimmed
 from megatron_snake.storage.sizes import mib, size
@@ -100,8 +101,7 @@ def offload_dirs_for_rank(value: str, rank: int) -> list[str]:
         except (KeyError, IndexError, ValueError) as exc:
             raise FlagError(f"--snake-offload-dir {template!r}: bad template ({exc!r}); the "
                             "fields are {node}, {hostname}, {rank} and {local_rank}") from None
-    real = [os.path.realpath(d) for d in dirs]
-    twice = [d for d, r in zip(dirs, real) if real.count(r) > 1]
+    twice = named_twice(dirs)
     if twice:
         raise FlagError(f"--snake-offload-dir {value!r}: rank {rank} gets one directory more "
                         f"than once ({', '.join(twice)}); give each drive's directory once")

@@ -497,17 +497,6 @@ def update_bytes(precision: Precision, elements: int) -> int:
     return per * elements + OffloadedAdamW.scratch_bytes()
 
 
-def same_file_system(paths, i: int) -> list[int]:
-    """The indexes of ``paths`` on the file system of ``paths[i]`` (``i`` alone when it is
-    not made yet)."""
-    try:
-        dev = os.stat(paths[i]).st_dev
-    except OSError:
-        return [i]
-    return [j for j, path in enumerate(paths)
-            if j == i or (os.path.exists(path) and os.stat(path).st_dev == dev)]
-
-
 def check(preflight: Preflight, args, frees: list | None) -> None:
     """Refuse a plan a tier cannot hold, before anything is allocated: one error naming
     the flag to change and the amount (the first tier's type when several fail, with every
@@ -522,13 +511,11 @@ def check(preflight: Preflight, args, frees: list | None) -> None:
         check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
     except HostMemoryError as exc:
         errors.append(exc)
-    n, checked = len(pf.offload_paths), set()
-    for i, free in enumerate(frees or ()):
-        # directories on one file system share its free space: checked once, together
-        group = same_file_system(pf.offload_paths, i)
-        if group[0] in checked:
-            continue
-        checked.add(group[0])
+    n = len(pf.offload_paths)
+    # directories on one file system share its free space: checked once, together, as
+    # the first of them
+    for group in directory.file_system_groups(pf.offload_paths) if frees else ():
+        i, free = group[0], frees[group[0]]
         need = sum(pf.drive_needed_in(j) for j in group)
         if free is None or need <= free:
             continue

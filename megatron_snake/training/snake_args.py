@@ -24,6 +24,7 @@ from megatron_snake.optim.offloaded_adamw import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups
+from megatron_snake.storage.directory import named_twice
 from megatron_snake.storage.errors import OffloadError
 from megatron_snake.storage.host_pool import (DEFAULT_POOL_CAP_BYTES, check_host_memory_limit,
                                               physical_memory_bytes)
@@ -302,8 +303,7 @@ def split_offload_dirs(value: str) -> list[str]:
     if not all(entries):
         raise FlagError(f"--snake-offload-dir {value!r} has an empty entry; give directories "
                         "separated by single commas, e.g. /nvme0/off,/nvme1/off")
-    norm = [os.path.normpath(e) for e in entries]
-    twice = [e for e, n in zip(entries, norm) if norm.count(n) > 1]
+    twice = named_twice(entries, os.path.normpath)
     if twice:
         raise FlagError(f"--snake-offload-dir {value!r} names one directory more than once "
                         f"({', '.join(twice)}); give each drive's directory once")

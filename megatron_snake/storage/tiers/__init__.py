@@ -15,7 +15,7 @@ drive: drive.py), with GPUDirect Storage or without."""
 
 import os
 
-from megatron_snake.storage.directory import RankDir
+from megatron_snake.storage.directory import RankDir, named_twice
 from megatron_snake.storage.engine import make_engine
 from megatron_snake.storage.errors import OffloadDirError
 from megatron_snake.storage.tiers.base import Tier
@@ -35,8 +35,7 @@ def open_drive(offload_dirs, rank, run_id, copies, counters, engine="auto", queu
     again when a later one fails."""
     paths = [os.fspath(p) for p in (
         [offload_dirs] if isinstance(offload_dirs, (str, os.PathLike)) else offload_dirs)]
-    real = [os.path.realpath(p) for p in paths]
-    twice = [p for p, r in zip(paths, real) if real.count(r) > 1]
+    twice = named_twice(paths)
     if twice:
         raise OffloadDirError(f"--snake-offload-dir names one directory more than once "
                               f"({', '.join(twice)}); give each once (one per drive)")

@@ -33,6 +33,7 @@ import os
 import threading
 
 import megatron_snake.timeline as timeline
+import megatron_snake.storage.directory as directory
 from megatron_snake.storage.copies import as_bytes
 from megatron_snake.storage.errors import IntegrityError, OffloadDirError, OffloadIOError
 from megatron_snake.storage.swap_file import (REC_HEADER_BYTES, Checksum, verify_record,
@@ -110,10 +111,8 @@ class DriveTier(Tier):
     def _by_file_system(self) -> list[list]:
         """The directories grouped by the file system they are on: two on one drive share
         its free space, so they are checked together."""
-        groups = {}
-        for d in self.drives:
-            groups.setdefault(os.stat(d.path).st_dev, []).append(d)
-        return list(groups.values())
+        return [[self.drives[i] for i in group]
+                for group in directory.file_system_groups([d.path for d in self.drives])]
 
     def check_capacity(self, nbytes_planned, also=None):
         """Raise CapacityError, naming a directory, unless each file system can take the
