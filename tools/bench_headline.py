@@ -214,12 +214,14 @@ def timed_steps(run, a, device, num_mb: int, warmup: int, steps: int, seed0: int
 
     opt, times, losses = run.optimizer, [], []
     update0 = blocked0 = 0.0
+    phases0: dict = {}
     for i in range(warmup + steps):
         mbs = random_microbatches(num_mb, a.micro_batch_size, a.seq, a.vocab,
                                   seed=seed0 + i, device=device)
         sync(device)
         if i == warmup:
             update0, blocked0 = getattr(opt, "update_s", 0.0), getattr(opt, "blocked_s", 0.0)
+            phases0 = dict(getattr(opt, "update_phase_s", {}))
         t0 = time.perf_counter()
         out = run.step(mbs)
         sync(device)
@@ -231,7 +233,10 @@ def timed_steps(run, a, device, num_mb: int, warmup: int, steps: int, seed0: int
     if hasattr(opt, "update_s"):   # before the run's end applies what is still deferred
         update, blocked = opt.update_s - update0, opt.blocked_s - blocked0
         result.update(update_s=update, blocked_s=blocked,
-                      hidden_share=1.0 - blocked / max(update, 1e-9))
+                      hidden_share=1.0 - blocked / max(update, 1e-9),
+                      update_phase_s={name: s - phases0.get(name, 0.0)
+                                      for name, s in opt.update_phase_s.items()},
+                      optimizer_threads=opt.threads)
     return result
 
 
@@ -614,8 +619,17 @@ def print_run(r: dict, sizing: dict) -> None:
           f"optimizer hidden {r.get('hidden_share', float('nan')):.1%}, peak "
           f"{r.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB"
           + ("" if given is None else f" of {given / 2**30:.2f} given (state "
-             f"{r['state_ratio']:.2f}x)") + f", losses {[round(x, 3) for x in r['losses']]}",
-          flush=True)
+             f"{r['state_ratio']:.2f}x)") + f", losses {[round(x, 3) for x in r['losses']]}"
+          + update_phases(r), flush=True)
+
+
+def update_phases(r: dict) -> str:
+    """The timed steps' update seconds a step, by phase, and the optimizer's threads."""
+    phases, steps = r.get("update_phase_s"), len(r.get("step_s", ())) or 1
+    if not phases:
+        return ""
+    return (f"; update {r['update_s'] / steps:.3f} s a step on {r['optimizer_threads']} "
+            "threads (" + ", ".join(f"{k} {v / steps:.3f}" for k, v in phases.items()) + ")")
 
 
 def parser() -> argparse.ArgumentParser:

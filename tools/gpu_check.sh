@@ -45,8 +45,9 @@
 #   headline (330)         about 15 s of imports, then rounds of about 70 s (Megatron: build,
 #                          probe, 4 steps a mode; two offloaded builds and 4 steps each) while
 #                          its --time-budget 290 lasts: two rounds and part of a third
-#   headline_trace (140)   imports, a build, a warm-up and the recorded step, the export and
-#                          the analysis: 70-90 s (the NVMe-bound 1B step's took 110 s)
+#   headline_trace (115)   imports, a build, a warm-up and the recorded step, the export and
+#                          the analysis: 55 s on an H200 at M 3 (the NVMe-bound 1B step's 110 s)
+#   optimizer_threads (35) imports, 6 trials of 1.5 s and their buffers: 20-25 s
 #   gpu_tests (240)        70-90 s; demo (60) 20 s; bench_schedule (110) 2 cases x 3
 #                          variants x 5 steps of about 2 s: 80 s; bench_zenflow (60) 30 s
 #   zero_install (75)      15 s (its sdist takes 7 s of CPU); zero_ops (150) 60-90 s, both
@@ -198,9 +199,13 @@ part_headline() {
         ${SNAKE_BENCH_HEADLINE_FLAGS:-}
     # one steady step of the 3x run at its batch: GPU idle %, every gap over 1 ms and what
     # the host did in it (trace/gaps.json, trace/timeline.png)
-    step headline_trace 140 "$PY" tools/bench_headline.py --dir "$SCRATCH/trace" \
+    step headline_trace 115 "$PY" tools/bench_headline.py --dir "$SCRATCH/trace" \
         --trace-dir "$OUTDIR/trace" --from "$OUTDIR/headline.json" $size \
         ${SNAKE_BENCH_HEADLINE_FLAGS:-}
+    # the optimizer's thread budget: kernel launches/s of the training thread and the
+    # update's rate, an update on every core against the default budget (half of them)
+    step optimizer_threads 35 "$PY" tools/bench_optimizer_threads.py --rounds 3 \
+        --seconds 1.5 --json-out "$OUTDIR/optimizer_threads.json" $(dry --numel 1048576)
 }
 
 # --- suite: tests/gpu and the demo, then two short benchmarks -----------------------------

@@ -48,6 +48,7 @@ import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
+from megatron_snake.optim.cpu_threads import check_optimizer_threads, limit_this_thread
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.precision import (E4M3, FP8, REMAINDER, SCALED, Precision, dequantize,
                                             join_flat, join_master, quantize, scale_for,
@@ -55,6 +56,7 @@ from megatron_snake.optim.precision import (E4M3, FP8, REMAINDER, SCALED, Precis
 from megatron_snake.optim.unit_params import FlatLayout, UnitParams
 
 PARTS = ("bwd", "fwd")
+UPDATE_PHASES = ("read", "clip", "adamw", "weights")
 
 # torch's CPU fused AdamW runs a tensor in vector lanes from its first element, and its last
 # (numel mod the lane count) elements on a scalar path whose rounding can differ by an ulp.
@@ -191,14 +193,16 @@ class OffloadedAdamW(HostAdamW):
                  clip_grad: float = 0.0, alpha: float = 0.0, tier: str = "nvme",
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
                  model_parallel_group=None, embedding_group=None, initial=None,
-                 precision: Precision | None = None, weight_records: bool = True):
+                 precision: Precision | None = None, weight_records: bool = True,
+                 threads: int | None = None):
         """``initial``: where the parameters' values are when they are not in memory
         (``offload.initial_weights.InitialWeights``); by default they are read from the
         parameters. ``precision``: the dtype each state is stored in (default: every one
         fp32). With master-weight remainders the master's high half is the working-weight
         record ``("w", key, part)``: the update reads it and replaces it (``on_weights``, or
         itself without one); ``weight_records``: write every layout's first one here
-        (``OffloadedUnits`` writes them itself)."""
+        (``OffloadedUnits`` writes them itself). ``threads``: the update's CPU threads
+        (default: ``cpu_threads.default_optimizer_threads``)."""
         check_alpha(alpha)
         check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
@@ -249,6 +253,10 @@ class OffloadedAdamW(HostAdamW):
         # Seconds the worker spent updating, and seconds the caller waited for an update it
         # needed: 1 - blocked_s / update_s of the step is hidden behind compute.
         self.update_s = self.blocked_s = 0.0
+        # update_s by phase (the worker's): waiting for the state's reads, the clip, the
+        # fused AdamW (the chunked update's loads and roundings too), the new weights handed
+        # on (converted to the working dtype and put: ``on_weights``)
+        self.update_phase_s = dict.fromkeys(UPDATE_PHASES, 0.0)
         self._read_ahead: list = []     # handles of the state read ahead last
         self._read_ahead_keys: list = []  # every record read ahead this step
         self._read_ahead_next = 0       # position in the forward order, this step
@@ -257,7 +265,10 @@ class OffloadedAdamW(HostAdamW):
         self._device_gradients: list = []  # puts of the last gradient still on the device
         self._queued: list = []         # submitted updates not yet started, in order
         self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw")
+        self.threads = check_optimizer_threads(threads)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw",
+                                          initializer=limit_this_thread,
+                                          initargs=(self.threads,))
         previous: list = []
         for key, lay in self.layouts.items():
             master = initial.flat(lay, dtype=torch.float32) if initial is not None else \
@@ -811,18 +822,26 @@ class OffloadedAdamW(HostAdamW):
                      reads: dict) -> None:
         t0 = time.perf_counter()
         lent = {name: h.wait() for name, h in reads.items()}
+        self._phase("read", t0)
         if self.precision.fp32:
             self._update_in_place(key, part, hyper, clip_coef, lent)
             weights = lent["master"]
         else:
+            t = time.perf_counter()
             weights = self._update_chunked(key, part, hyper, clip_coef, lent)
+            self._phase("adamw", t)
         self.store.delete(("grad", key, part))   # its host buffers are free now
+        t = time.perf_counter()
         if self.on_weights is not None:   # before the master's buffers are given back
             self.on_weights(key, part, weights, soon=soon)
         elif weights is not lent["master"]:   # remainders: the optimizer's own records
             self.store.put_converted(("w", key, part), weights, self.precision.params,
                                      tier=self.tier, kind="weights")
+        self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
+
+    def _phase(self, name: str, since: float) -> None:
+        self.update_phase_s[name] += time.perf_counter() - since
 
     def _update_in_place(self, key, part: str, hyper: StepHyper, clip_coef,
                          lent: dict) -> None:
@@ -830,9 +849,12 @@ class OffloadedAdamW(HostAdamW):
         lay = self.layouts[key]
         lo, hi = self._bounds(lay)[PARTS.index(part)]
         # each a list of 1-D pieces, cut at the same elements (same dtype and size)
+        t = time.perf_counter()
         if clip_coef is not None:
             for piece in lent["grad"]:
                 piece.mul_(clip_coef)
+        self._phase("clip", t)
+        t = time.perf_counter()
         ranges: dict[bool, list] = {True: [], False: []}   # by weight decay
         for seg, piece in lay.pieces(lo, hi):
             ranges[seg.decay].append((piece.start - lo, piece.stop - lo, seg.offset - lo))
@@ -851,6 +873,7 @@ class OffloadedAdamW(HostAdamW):
                              weight_decay=hyper.weight_decay if decay else 0.0)
             for name in STATES:
                 _return_bridges(taken[name][1])
+        self._phase("adamw", t)
 
     # --- the chunked update (precision-aware) -------------------------------------------
     def _update_chunked(self, key, part: str, hyper: StepHyper, clip_coef,

@@ -54,6 +54,7 @@ import torch
 from megatron_snake.errors import FlagError
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
+from megatron_snake.optim.cpu_threads import check_optimizer_threads, limit_this_thread
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow_select import complement, select_columns
@@ -143,7 +144,9 @@ class ZenFlowAdamW(HostAdamW):
     def __init__(self, named_params, *, lr: float, weight_decay: float, beta1: float = 0.9,
                  beta2: float = 0.999, eps: float = 1e-8, clip_grad: float = 0.0,
                  settings: ZenFlowSettings | None = None,
-                 dp: DataParallel = DataParallel()):
+                 dp: DataParallel = DataParallel(), threads: int | None = None):
+        """``threads``: the CPU update's threads (default:
+        ``cpu_threads.default_optimizer_threads``)."""
         check_clip_grad(clip_grad)
         self.settings, self.dp = settings or ZenFlowSettings(), dp
         self.beta1, self.beta2, self.eps, self.clip_grad = beta1, beta2, eps, clip_grad
@@ -170,7 +173,10 @@ class ZenFlowAdamW(HostAdamW):
         self.selected_at: int | None = None
         self.pending_since: int | None = None  # step whose CPU update is in flight
         self._pending: Future | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-adamw")
+        self.threads = check_optimizer_threads(threads)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-adamw",
+                                          initializer=limit_this_thread,
+                                          initargs=(self.threads,))
         self.traffic = Traffic()
 
     # --- the interface the loop drives ------------------------------------------------

@@ -576,7 +576,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                model_parallel_group=_model_parallel_group(),
                                embedding_group=_embedding_group(gpt), initial=initial,
                                precision=Precision.from_args(args),
-                               weight_records=False)   # OffloadedUnits writes them
+                               weight_records=False,   # OffloadedUnits writes them
+                               threads=args.snake_optimizer_threads)
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=tiers.params, pinned=pinned, initial=initial,
                              host_keep_free=room.weights)

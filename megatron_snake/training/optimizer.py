@@ -51,7 +51,8 @@ def build_zenflow_optimizer(args: argparse.Namespace, model):
                              weight_decay=args.weight_decay, beta1=args.adam_beta1,
                              beta2=args.adam_beta2, eps=args.adam_eps,
                              clip_grad=args.clip_grad, settings=args.zenflow,
-                             dp=DataParallel.from_megatron())
+                             dp=DataParallel.from_megatron(),
+                             threads=args.snake_optimizer_threads)
     return optimizer, build_scheduler(args, optimizer)
 
 

@@ -20,6 +20,7 @@ import os
 
 from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import check_checkpoint_interval
+from megatron_snake.optim.cpu_threads import check_optimizer_threads
 from megatron_snake.optim.offloaded_adamw import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
@@ -102,6 +103,8 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--snake-host-memory-limit", default=None,
                    help="host buffer pool limit, e.g. 4GiB (default: what the run needs, "
                         f"at most {DEFAULT_POOL_CAP_BYTES >> 30}GiB)")
+    g.add_argument("--snake-optimizer-threads", type=int, default=None, metavar="N",
+                   help="CPU threads of the host optimizer (default: half the cores)")
     g.add_argument("--snake-auto", action="store_true",
                    help="for --snake-hardware, choose group size, alpha, unit size and tiers")
     g.add_argument("--snake-hardware", default=None, metavar="PROFILE",
@@ -176,6 +179,18 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
         check_rule(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)
     _validate_zenflow(args, parser)
+    _validate_optimizer_threads(args, parser)
+
+
+def _validate_optimizer_threads(args, parser) -> None:
+    """The host optimizer's thread budget: its value checked, or its default filled in."""
+    if args.snake_optimizer_threads is not None and not (args.snake_offload
+                                                         or args.snake_zenflow):
+        fail(parser, "--snake-optimizer-threads", "sets the threads of the host optimizer of "
+             "--snake-offload or --snake-zenflow; add one of them or drop the flag")
+    if args.snake_offload or args.snake_zenflow:
+        args.snake_optimizer_threads = check_rule(parser, check_optimizer_threads,
+                                                  args.snake_optimizer_threads)
 
 
 def _default_host_memory_limit(args) -> None:
