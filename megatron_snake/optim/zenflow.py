@@ -412,7 +412,7 @@ class ZenFlowAdamW(HostAdamW):
                 f"{s.topk_ratio:.1%} gradient columns of every 2-D weight (re-selected every "
                 f"{s.select_interval} steps) and all 1-D parameters are updated at once on "
                 f"{self.device}; the rest accumulate in host memory and the CPU AdamW applies "
-                f"them every {s.update_interval} steps, "
+                f"them every {s.update_interval} steps on {self.threads} CPU thread(s), "
                 + ("overlapped with the next window's compute" if s.overlap_step
                    else "synchronously")
                 + (f"; the first {s.full_warmup_steps} steps are exact" if s.full_warmup_steps
