@@ -161,6 +161,8 @@ def offload_flags(a, layers: int, num_mb: int, given: int | None, host_limit: in
     flags = gpt_flags(a, layers, num_mb) + [
         "--snake-offload", "--snake-offload-dir", root,
         "--snake-host-memory-limit", str(host_limit)] + a.snake_flags.split()
+    if a.optimizer_threads:
+        flags += ["--snake-optimizer-threads", str(a.optimizer_threads)]
     limit = gpu_limit_bytes(a, given)
     if limit:
         flags += ["--snake-gpu-memory-limit", str(limit)]
@@ -666,6 +668,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--snake-flags", default="--snake-param-tier host --snake-optimizer-tier "
                    "host --snake-activation-tier host",
                    help="more pretrain_gpt flags for the offloaded runs")
+    p.add_argument("--optimizer-threads", type=int, default=0,
+                   help="--snake-optimizer-threads of the offloaded runs (default: its own)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per run and mode")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run and mode")
     p.add_argument("--rounds", type=int, default=3, help="at most, within --time-budget")
