@@ -10,11 +10,14 @@ import torch
 
 from conftest import build_model, expect_flag_error, tiny_args
 from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.optim import cpu_threads
 from megatron_snake.optim.cpu_threads import (default_optimizer_threads, limit_this_thread,
                                               usable_cores)
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.unit_params import UnitParams
+from megatron_snake.optim.zenflow import ZenFlowAdamW
 from megatron_snake.storage.store import TensorStore
+from megatron_snake.training import calibration
 
 MiB = 1 << 20
 
@@ -44,12 +47,58 @@ def test_a_limit_changes_the_calling_thread_only():
     assert _threads_of_a_new_thread() == before, "the default of threads started later"
 
 
-def test_the_default_leaves_half_the_cores():
-    threads = default_optimizer_threads()
-    assert 1 <= threads <= max(1, usable_cores() // 2)
-    assert threads <= torch.get_num_threads()
+def test_limits_on_several_threads_at_once_leave_the_default():
+    before = torch.get_num_threads()
+    for _ in range(50):
+        start = threading.Barrier(2)
+
+        def limit(n):
+            start.wait()
+            limit_this_thread(n)
+
+        callers = [threading.Thread(target=limit, args=(n,)) for n in (2, 3)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+        assert _threads_of_a_new_thread() == before
 
 
+@pytest.mark.parametrize("cores, torch_threads, expected", [(16, 16, 8), (16, 4, 4), (2, 2, 1),
+                                                            (1, 1, 1), (128, 1, 1)])
+def test_the_default_is_half_the_cores_within_torchs_threads(monkeypatch, cores,
+                                                             torch_threads, expected):
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
+    assert default_optimizer_threads() == expected
+
+
+def test_the_calibration_runs_at_the_budget(monkeypatch):
+    seen = []
+    real = calibration.fused_adamw_
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "fused_adamw_", counting)
+    budget = 2 if torch.get_num_threads() != 2 else 1
+    assert calibration.adamw_rate(1 << 12, threads=budget) > 0
+    assert seen == [budget] * 3
+
+
+def test_zenflows_cpu_update_runs_on_its_budget():
+    budget = 2 if torch.get_num_threads() != 2 else 1
+    layer = torch.nn.Linear(8, 8)
+    opt = ZenFlowAdamW(layer.named_parameters(), lr=1e-3, weight_decay=0.0, threads=budget)
+    try:
+        assert opt._worker.submit(torch.get_num_threads).result() == budget
+    finally:
+        opt.close()
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="a budget apart from the main thread's "
+                    "count needs 2 cores")
 def test_the_offloaded_optimizer_updates_on_its_budget(megatron_world, tmp_path):
     main = torch.get_num_threads()
     budget = 2 if main != 2 else 1

@@ -38,8 +38,8 @@ of the offloaded run's own update time per step (a probe: an offloaded run at 3x
 the host link (weights in both sweeps, fp32 gradients back) at the measured pinned copy
 rate; at most what fits ``--max-step-s`` per Megatron step. The update is measured, not
 taken from ``calibration.adamw_rate``: on an H200 the fused AdamW alone ran at 4.2G
-parameters/s, the run's update (unscale and clip, AdamW, the new bf16 weights) at 1.3G,
-and the M chosen from the former left the optimizer exposed. ``--micro-batches`` sets M
+parameters/s (on every core), the run's update (unscale and clip, AdamW, the new bf16
+weights) at 1.3G, and the M chosen from the former left the optimizer exposed. ``--micro-batches`` sets M
 instead (no probe).
 
 The model (``size_model``): hidden 2048, 16 heads, sequence 2048, micro-batch 1, vocabulary

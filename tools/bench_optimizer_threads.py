@@ -104,6 +104,10 @@ def main() -> None:
                           else "cpu" if a.device == "auto" else a.device)
     modes = {"baseline": a.all_threads or torch.get_num_threads(),
              "ours": a.budget or default_optimizer_threads()}
+    if modes["ours"] == modes["baseline"]:
+        print(f"note: the budget is the baseline's team ({modes['ours']} threads: "
+              f"{usable_cores()} cores, torch's {torch.get_num_threads()}); the ratios "
+              "compare a setting with itself", flush=True)
     runs: dict = {mode: [] for mode in modes}
     for r in range(a.rounds):
         order = list(modes) if r % 2 == 0 else list(modes)[::-1]

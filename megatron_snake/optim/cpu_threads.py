@@ -10,20 +10,24 @@ its optimizer half the cores (``pt_reserved_cores_perc`` 0.5) for the same reaso
 does the default here. ``tools/bench_optimizer_threads.py`` measures both sides of it.
 
 torch's thread count is kept per thread (the OpenMP team size of the thread that calls
-``torch.set_num_threads``); the call also sets the default that threads started later take,
-which ``limit_this_thread`` puts back, so only the optimizer's worker changes.
+``torch.set_num_threads``); the call also sets the default that a thread takes at its first
+torch kernel, which ``limit_this_thread`` puts back at once, so only the worker changes. A
+thread whose first kernel falls inside that window (microseconds, once per worker, when the
+worker starts: ``budgeted_worker`` starts it as the optimizer is built) takes the budget.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from megatron_snake.errors import FlagError
 
 FLAG = "--snake-optimizer-threads"
+_default_lock = threading.Lock()   # one limit_this_thread at a time: each restores the default
 
 
 def usable_cores() -> int:
@@ -51,10 +55,20 @@ def check_optimizer_threads(threads: int | None) -> int:
 def limit_this_thread(threads: int) -> None:
     """Run the calling thread's torch kernels on ``threads`` threads, leaving every other
     thread's count, and the default of threads started later, as they were."""
-    default = torch.get_num_threads()   # this thread's: the default, if it had none yet
-    torch.set_num_threads(threads)
-    if default != threads:   # the default back, from a thread whose own count is then moot
-        restore = threading.Thread(target=torch.set_num_threads, args=(default,),
-                                   name="snake-threads-default")
-        restore.start()
-        restore.join()
+    with _default_lock:
+        default = torch.get_num_threads()   # this thread's: the default, if it had none yet
+        torch.set_num_threads(threads)
+        if default != threads:   # the default back, from a thread whose own count is moot
+            restore = threading.Thread(target=torch.set_num_threads, args=(default,),
+                                       name="snake-threads-default")
+            restore.start()
+            restore.join()
+
+
+def budgeted_worker(threads: int, name: str) -> ThreadPoolExecutor:
+    """One worker thread whose torch kernels run on ``threads`` threads, started now (a
+    failure to start is raised here, not at its first task)."""
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                initializer=limit_this_thread, initargs=(threads,))
+    worker.submit(int).result()
+    return worker

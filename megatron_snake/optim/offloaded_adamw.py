@@ -35,7 +35,7 @@ import bisect
 import itertools
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,7 @@ import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
-from megatron_snake.optim.cpu_threads import check_optimizer_threads, limit_this_thread
+from megatron_snake.optim.cpu_threads import budgeted_worker, check_optimizer_threads
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.precision import (E4M3, FP8, REMAINDER, SCALED, Precision, dequantize,
                                             join_flat, join_master, quantize, scale_for,
@@ -253,9 +253,10 @@ class OffloadedAdamW(HostAdamW):
         # Seconds the worker spent updating, and seconds the caller waited for an update it
         # needed: 1 - blocked_s / update_s of the step is hidden behind compute.
         self.update_s = self.blocked_s = 0.0
-        # update_s by phase (the worker's): waiting for the state's reads, the clip, the
-        # fused AdamW (the chunked update's loads and roundings too), the new weights handed
-        # on (converted to the working dtype and put: ``on_weights``)
+        # update_s by phase (the worker's; a phase is added as it ends, update_s as the
+        # whole update does): waiting for the state's reads, the clip, the fused AdamW (in
+        # the chunked update also its loads, clip and roundings: its clip is 0), the
+        # gradient dropped and the new weights handed on (converted and put: on_weights)
         self.update_phase_s = dict.fromkeys(UPDATE_PHASES, 0.0)
         self._read_ahead: list = []     # handles of the state read ahead last
         self._read_ahead_keys: list = []  # every record read ahead this step
@@ -266,9 +267,7 @@ class OffloadedAdamW(HostAdamW):
         self._queued: list = []         # submitted updates not yet started, in order
         self._lock = threading.Lock()
         self.threads = check_optimizer_threads(threads)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-adamw",
-                                          initializer=limit_this_thread,
-                                          initargs=(self.threads,))
+        self._worker = budgeted_worker(self.threads, "snake-adamw")
         previous: list = []
         for key, lay in self.layouts.items():
             master = initial.flat(lay, dtype=torch.float32) if initial is not None else \
@@ -830,8 +829,8 @@ class OffloadedAdamW(HostAdamW):
             t = time.perf_counter()
             weights = self._update_chunked(key, part, hyper, clip_coef, lent)
             self._phase("adamw", t)
-        self.store.delete(("grad", key, part))   # its host buffers are free now
         t = time.perf_counter()
+        self.store.delete(("grad", key, part))   # its host buffers are free now
         if self.on_weights is not None:   # before the master's buffers are given back
             self.on_weights(key, part, weights, soon=soon)
         elif weights is not lent["master"]:   # remainders: the optimizer's own records

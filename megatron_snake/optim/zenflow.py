@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +54,7 @@ import torch
 from megatron_snake.errors import FlagError
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
-from megatron_snake.optim.cpu_threads import check_optimizer_threads, limit_this_thread
+from megatron_snake.optim.cpu_threads import budgeted_worker, check_optimizer_threads
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import no_weight_decay
 from megatron_snake.optim.zenflow_select import complement, select_columns
@@ -174,9 +174,7 @@ class ZenFlowAdamW(HostAdamW):
         self.pending_since: int | None = None  # step whose CPU update is in flight
         self._pending: Future | None = None
         self.threads = check_optimizer_threads(threads)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-adamw",
-                                          initializer=limit_this_thread,
-                                          initargs=(self.threads,))
+        self._worker = budgeted_worker(self.threads, "zenflow-adamw")
         self.traffic = Traffic()
 
     # --- the interface the loop drives ------------------------------------------------

@@ -34,7 +34,8 @@ class Hardware:
     drive_capacity: int
     host_memory: int              # the node's RAM
     host_copy_Bps: float          # a memory copy in host RAM (the store's host tier), per GPU
-    cpu_adam_params_per_s: float  # the fused CPU AdamW, per GPU's share of the cores
+    cpu_adam_params_per_s: float  # the fused CPU AdamW, per GPU, on the update's threads
+    #   (--snake-optimizer-threads: tools/calibrate.py measures at its default, half the cores)
     intra_node_Bps: float         # collective bus bandwidth between a node's GPUs
     inter_node_Bps: float         # per GPU, between nodes
     head_tflops: float | None = None   # achieved on the output layer with its loss

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_snake.optim.adamw import fused_adamw_
-from megatron_snake.optim.cpu_threads import check_optimizer_threads, limit_this_thread
+from megatron_snake.optim.cpu_threads import budgeted_worker, check_optimizer_threads
 
 MiB = 1 << 20
 
@@ -74,25 +74,25 @@ def copy_rate(nbytes: int = 256 * MiB, device: torch.device | None = None) -> fl
 
 
 def adamw_rate(numel: int = 32 * MiB, threads: int | None = None) -> float:
-    """Fused CPU AdamW parameters/s, on a thread with the optimizer worker's thread budget
+    """Fused CPU AdamW parameters/s, on a worker with the optimizer's thread budget
     (``threads``, default ``--snake-optimizer-threads``'s default), as the update runs."""
     p, g, m, v = (torch.rand(numel) for _ in range(4))
-    step, times = torch.tensor(1.0), []
+    step = torch.tensor(1.0)
 
-    def measure():
-        limit_this_thread(check_optimizer_threads(threads))
+    def best_of_three() -> float:
+        times = []
         for _ in range(3):
             start = time.perf_counter()
             fused_adamw_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.999,
                          weight_decay=0.01, eps=1e-8)
             times.append(time.perf_counter() - start)
+        return min(times)
 
-    worker = threading.Thread(target=measure, name="snake-calibrate-adamw")
-    worker.start()
-    worker.join()
-    if len(times) < 3:
-        raise RuntimeError("the fused AdamW calibration failed on its thread (see above)")
-    return numel / min(times)
+    worker = budgeted_worker(check_optimizer_threads(threads), "snake-calibrate-adamw")
+    try:
+        return numel / worker.submit(best_of_three).result()
+    finally:
+        worker.shutdown()
 
 
 def unit_seconds(units, unit: int, hidden: torch.Tensor, ctx, repeats: int = 3

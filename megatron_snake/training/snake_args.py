@@ -104,7 +104,8 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="host buffer pool limit, e.g. 4GiB (default: what the run needs, "
                         f"at most {DEFAULT_POOL_CAP_BYTES >> 30}GiB)")
     g.add_argument("--snake-optimizer-threads", type=int, default=None, metavar="N",
-                   help="CPU threads of the host optimizer (default: half the cores)")
+                   help="CPU threads of the host optimizer (default: half the cores, at most "
+                        "OMP_NUM_THREADS)")
     g.add_argument("--snake-auto", action="store_true",
                    help="for --snake-hardware, choose group size, alpha, unit size and tiers")
     g.add_argument("--snake-hardware", default=None, metavar="PROFILE",
@@ -179,18 +180,21 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
         check_rule(parser, check_alpha, args.snake_alpha)
     _validate_pipeline(args, parser)
     _validate_zenflow(args, parser)
-    _validate_optimizer_threads(args, parser)
+    _validate_optimizer_threads(args, parser, planned)
 
 
-def _validate_optimizer_threads(args, parser) -> None:
-    """The host optimizer's thread budget: its value checked, or its default filled in."""
-    if args.snake_optimizer_threads is not None and not (args.snake_offload
-                                                         or args.snake_zenflow):
+def _validate_optimizer_threads(args, parser, planned: bool) -> None:
+    """The host optimizer's thread budget: its value checked against this machine's cores,
+    or its default filled in; a planned run's is another machine's, checked there."""
+    threads = args.snake_optimizer_threads
+    if threads is not None and not (args.snake_offload or args.snake_zenflow):
         fail(parser, "--snake-optimizer-threads", "sets the threads of the host optimizer of "
              "--snake-offload or --snake-zenflow; add one of them or drop the flag")
-    if args.snake_offload or args.snake_zenflow:
-        args.snake_optimizer_threads = check_rule(parser, check_optimizer_threads,
-                                                  args.snake_optimizer_threads)
+    if planned:
+        if threads is not None and threads < 1:
+            fail(parser, "--snake-optimizer-threads", f"must be >= 1, got {threads}")
+    elif args.snake_offload or args.snake_zenflow:
+        args.snake_optimizer_threads = check_rule(parser, check_optimizer_threads, threads)
 
 
 def _default_host_memory_limit(args) -> None:
