@@ -331,7 +331,7 @@ def bench_case(model, seq, mbs, a, device, store):
         # a plan that offloads nothing runs without the offloader's hooks: its saved tensors
         # are measured as the baseline's are
         peak, cuda, _ = _measure(offload(policy), model, device,
-                                 attach_baseline if getattr(offloader, "leaves_all", False)
+                                 attach_baseline if offloader.leaves_all
                                  else attach)
         stats = {k: v - stats_before[k] for k, v in vars(offloader.stats).items()}
         model.zero_grad(set_to_none=True)

@@ -123,7 +123,7 @@ class AdaptiveOffloader(SavedTensorOffloader):
         self._recording = not forward_only and self.plan is None
         # a plan that offloads nothing is followed by leaving every save alone: no
         # candidate is tracked, so the step costs what it would without the hooks' work
-        self._apply = not forward_only and self.plan is not None and bool(self.plan.offload)
+        self._apply = not forward_only and self.plan is not None and not self.leaves_all
         self._clock = _Clock(self.store.device.type == "cuda") if self._recording else None
         self._group, self._next_ordinal = -1, 0
         self._candidates, self._recorded = {}, []

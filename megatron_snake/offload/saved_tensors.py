@@ -103,6 +103,13 @@ class _Saved:
 
 
 class SavedTensorOffloader:
+    # What the step asks of an offloader (training/step.py): whether this step keeps every
+    # saved tensor to time them (``profiling``) and whether its plan offloads none of them
+    # (``leaves_all``: the step runs without the hooks). This one offloads every candidate
+    # and profiles nothing; the adaptive one (adaptive.py) answers from its plan.
+    profiling = False
+    leaves_all = False
+
     def __init__(self, store, tier: str = "nvme", *, params=(), min_bytes: int = 1 << 20,
                  prefetch_depth: int = 2, kind: str = KIND):
         if min_bytes < 1 or prefetch_depth < 0:

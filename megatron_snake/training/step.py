@@ -75,13 +75,13 @@ class ActivationOffloadStep:
             self.offloader.add_parameters(m.parameters())  # weights are never offloaded
         self.offloader.begin_step(forward_only)
         # a plan that offloads nothing costs nothing: the user's forward step runs bare
-        step_func = forward_step_func if getattr(self.offloader, "leaves_all", False) else \
+        step_func = forward_step_func if self.offloader.leaves_all else \
             offloaded_forward_step(forward_step_func, self.offloader)
         try:
             reports = megatron_schedule()(forward_step_func=step_func, model=model,
                                           forward_only=forward_only, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if getattr(self.offloader, "profiling", False):
+            if self.offloader.profiling:
                 raise ProfileOutOfMemory(
                     "--snake-activation-offload-policy adaptive: out of device memory in a "
                     "profiled iteration, which keeps every saved tensor to time it; use "
