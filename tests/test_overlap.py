@@ -597,7 +597,7 @@ def _span(name, cat, start, end, **args):
 
 def test_the_roofline_is_the_busiest_resource_per_phase_on_a_synthetic_step():
     bench = _tool("bench_overlap")
-    rates = {"drive_read": 100.0, "drive_write": 50.0, "copy": 1000.0, "adamw": 10.0}
+    rates = {"drive_read": 100.0, "drive_write": 50.0, "copy": 1000.0, "update": 10.0}
     spans = [
         _span("forward_backward", "step", 0.0, 9.0),
         _span("forward sweep", "sweep", 0.0, 4.0),
@@ -624,7 +624,7 @@ def test_the_roofline_is_the_busiest_resource_per_phase_on_a_synthetic_step():
     assert out["phases"]["backward"]["host link"] == pytest.approx(2.5)
     assert out["phases"]["forward"]["host link"] == 0.0
     assert out["roofline_s"] == pytest.approx(5.8)
-    assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 3.8, adamw 3 over the step
+    assert out["bound_s"] == pytest.approx(4.0)    # compute 4, drive 3.8, update 3 over the step
     # the drive in flight 0.2-3.0 s (the two transfers overlap): 300 bytes in 2.8 s
     assert out["phases"]["forward"]["drive_busy_s"] == pytest.approx(2.8)
     assert out["phases"]["forward"]["drive_GBps_while_busy"] == pytest.approx(300 / 2.8 / 1e9)

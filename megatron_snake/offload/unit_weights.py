@@ -48,6 +48,9 @@ class OffloadedUnits(UnitStore):
         optimizer.on_weights = self.publish
         self._grad_views: dict[int, torch.Tensor] = {}
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
+        # What a gradient buffer starts at: 0. tools/bench_overlap.py's emulated device
+        # computes no gradient, so it sets a constant here for the clip to see a norm.
+        self.gradient_fill = 0.0
         self._partial_grads: dict = {}  # layout key -> host sum of earlier snake groups
         self._shared_stale = False    # an update of the shared weights is not in place yet
         # the layouts in the order the forward sweep updates them
@@ -114,7 +117,8 @@ class OffloadedUnits(UnitStore):
     def _start_gradients(self, lay) -> None:
         if lay.key in self._grads or not lay.segments:
             return
-        buf = torch.zeros(lay.numel, dtype=torch.float32, device=self.device)
+        buf = torch.full((lay.numel,), self.gradient_fill, dtype=torch.float32,
+                         device=self.device)
         self._grads[lay.key] = buf
         for seg in lay.segments:
             self._grad_views[id(seg.param)] = buf[seg.offset:seg.offset + seg.numel]

@@ -95,6 +95,38 @@ def adamw_rate(numel: int = 32 * MiB, threads: int | None = None) -> float:
         worker.shutdown()
 
 
+def update_rate(numel: int = 32 * MiB, threads: int | None = None, *, clip: bool = True,
+                weights_dtype: torch.dtype | None = torch.bfloat16) -> float:
+    """Parameters/s of the whole host update of one part, as a run with fp32 state does it
+    (``clip``: the gradient times a clip coefficient below 1; the fused AdamW; the new
+    master weights converted into ``weights_dtype``, none for fp32 weights), on a worker
+    with the optimizer's thread budget. The fused AdamW alone (``adamw_rate``) is about
+    half of it: the update is priced at this rate, not that one."""
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    out = torch.empty(numel, dtype=weights_dtype) if weights_dtype is not None else None
+    step = torch.tensor(1.0)
+    coef = torch.tensor(0.5)
+
+    def best_of_three() -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            if clip:
+                g.mul_(coef)
+            fused_adamw_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.999,
+                         weight_decay=0.01, eps=1e-8)
+            if out is not None:
+                out.copy_(p)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    worker = budgeted_worker(check_optimizer_threads(threads), "snake-calibrate-update")
+    try:
+        return numel / worker.submit(best_of_three).result()
+    finally:
+        worker.shutdown()
+
+
 def unit_seconds(units, unit: int, hidden: torch.Tensor, ctx, repeats: int = 3
                  ) -> tuple[float, float]:
     """(forward, forward + backward) seconds of ``unit`` of ``units`` (a GPTUnits) on one

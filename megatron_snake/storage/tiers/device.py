@@ -28,8 +28,10 @@ class DeviceTier(Tier):
                 return out
             copy = self.copies.run(copy, "h2d")
         else:
+            # from host memory a crossing onto the device (an emulated device's host link
+            # when it has one); from the device's own memory a copy on it
             copy = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
-            bitcopy(copy, src)
+            self.copies.across([(copy, src)], "h2d", device_side=not from_device)
         rec.gpu = copy
         self.counters.add("gpu", nwritten=rec.nbytes, kind=rec.kind)
         return True
