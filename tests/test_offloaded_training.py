@@ -310,7 +310,7 @@ def test_the_alpha_split_falls_on_a_line_of_the_parameter_it_cuts():
     parameter it cuts, within 8 elements of (1 - alpha) of the shard where such a line
     lies inside it."""
     from megatron_snake.optim.dp_shards import DataParallel
-    from megatron_snake.optim.offloaded_adamw import LANE_ELEMENTS, part_bounds
+    from megatron_snake.optim.parts import LANE_ELEMENTS, part_bounds
     from megatron_snake.optim.unit_params import FlatLayout, Segment
 
     sizes = [3367, 1001, 7, 7777, 899, 5, 40]

@@ -106,7 +106,7 @@ def test_the_offloaded_optimizer_updates_on_its_budget(megatron_world, tmp_path)
     with TensorStore(tmp_path, host_memory_limit=64 * MiB) as store:
         opt = OffloadedAdamW(params, store, lr=1e-3, weight_decay=0.0, threads=budget)
         try:
-            assert opt._worker.submit(torch.get_num_threads).result() == budget
+            assert opt.updates.executor.submit(torch.get_num_threads).result() == budget
             assert torch.get_num_threads() == main
             assert _threads_of_a_new_thread() == main
         finally:

@@ -26,7 +26,8 @@ from megatron_snake.models.emulated_compute import emulate_compute, unit_forward
 from megatron_snake.models.gpt_units import GPTUnits
 from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.offload.unit_weights import OffloadedUnits
-from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+from megatron_snake.optim.parts import PARTS
 from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import CombinedStore
 from megatron_snake.storage.store import TensorStore

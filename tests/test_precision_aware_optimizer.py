@@ -23,8 +23,9 @@ import torch
 
 from conftest import VOCAB, build_model, expect_flag_error, make_microbatches, tiny_args
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.optim import offloaded_adamw
-from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW, part_bounds
+from megatron_snake.optim import host_update
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+from megatron_snake.optim.parts import PARTS, part_bounds
 from megatron_snake.optim.precision import (FP8, REMAINDER, Precision, join_flat,
                                             split_flat)
 from megatron_snake.optim.unit_params import UnitParams
@@ -171,7 +172,7 @@ def test_moments_follow_transformer_engines_rounding_rule(megatron_world, tmp_pa
     moments by Transformer Engine's rule (per piece: the scale of a "tensor"); the offloaded
     AdamW's moments and masters are its bits. Chunks of 256 elements, so a piece is
     computed in chunks, twice for its absmax."""
-    monkeypatch.setattr(offloaded_adamw, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(host_update, "CHUNK_ELEMENTS", 256)
     params = _tiny_layouts(megatron_world)
     steps, lr, wd, alpha = 6, 2e-3, 0.1, 0.25
     grads = _gradients(params, steps)

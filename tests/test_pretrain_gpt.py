@@ -125,7 +125,7 @@ def test_a_flag_rule_has_one_source(capsys):
     """The command line refuses a bad value with the component's own message: the rule is
     written once, beside the component, and the flag check calls it."""
     from megatron_snake.models.gpt_units import check_checkpoint_interval
-    from megatron_snake.optim.offloaded_adamw import check_alpha
+    from megatron_snake.optim.parts import check_alpha
     from megatron_snake.optim.zenflow import ZenFlowSettings
     from megatron_snake.schedule.pipeline import snake_groups
     from megatron_snake.training.distributed import data_parallel_size

@@ -5,7 +5,7 @@ its biases and norms) from states held in memory: no drive, no store, only the u
 Today's path ("fp32") runs torch's fused AdamW on the fp32 states in place; the
 precision-aware modes (``--use-precision-aware-optimizer``) run the chunked update:
 each chunk of each state loaded into fp32 scratch, the same kernel, rounded back to the
-state's dtype (``OffloadedAdamW._update_chunked``). Modes alternate, round after round, so
+state's dtype (``HostUpdate.chunked``). Modes alternate, round after round, so
 a slow second of this shared machine lands on all of them alike; each mode's figure is
 its median.
 
@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_snake.optim import offloaded_adamw  # noqa: E402
-from megatron_snake.optim.offloaded_adamw import PARTS, OffloadedAdamW, StepHyper  # noqa: E402
+from megatron_snake.optim import host_update  # noqa: E402
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, StepHyper  # noqa: E402
+from megatron_snake.optim.parts import LANE_ELEMENTS, PARTS  # noqa: E402
 from megatron_snake.optim.precision import FP8, REMAINDER, Precision  # noqa: E402
 from megatron_snake.optim.unit_params import FlatLayout, Segment, UnitParams  # noqa: E402
 from megatron_snake.storage.store import TensorStore  # noqa: E402
@@ -96,14 +97,14 @@ def states(opt: OffloadedAdamW, precision: Precision, numel: int) -> dict:
     lent = {"grad": [(torch.randn(numel, generator=g) * 1e-3).to(precision.grad)]}
     for name in ("exp_avg", "exp_avg_sq"):
         values = torch.rand(numel, generator=g) * (1e-3 if name == "exp_avg" else 1e-6)
-        lent[name] = [opt._encode(name, 0, "bwd", values)]
+        lent[name] = [opt.states.encode(name, 0, "bwd", values)]
     if precision.remainders:
         from megatron_snake.optim.precision import split_flat
 
         hi, rem = split_flat(master)
         lent["master"], lent["w"] = [rem], hi
     else:
-        lent["master"] = [opt._encode("master", 0, "bwd", master)]
+        lent["master"] = [opt.states.encode("master", 0, "bwd", master)]
     return lent
 
 
@@ -121,16 +122,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every mode, alternating")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--chunk-elements", type=int, nargs="+",
-                    default=[offloaded_adamw.CHUNK_ELEMENTS],
+                    default=[host_update.CHUNK_ELEMENTS],
                     help="the chunked update's scratch batch (elements, multiples of "
-                         f"{offloaded_adamw.LANE_ELEMENTS}); several: each precision-aware "
+                         f"{LANE_ELEMENTS}); several: each precision-aware "
                          "mode at each, alternating (default: CHUNK_ELEMENTS)")
     ap.add_argument("--json-out", default="bench_optimizer_rate.json")
     a = ap.parse_args(argv)
     for c in a.chunk_elements:
-        if c <= 0 or c % offloaded_adamw.LANE_ELEMENTS:
+        if c <= 0 or c % LANE_ELEMENTS:
             ap.error(f"--chunk-elements {c}: a positive multiple of "
-                     f"{offloaded_adamw.LANE_ELEMENTS}")
+                     f"{LANE_ELEMENTS}")
     # (label, mode, chunk elements): fp32 runs the fused kernel, which has no chunks
     variants = []
     for mode in a.modes:
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     params = layer_layout(a.hidden)
     numel = params.units[0].numel
     runs: dict = {label: [] for label, _, _ in variants}
-    default_chunk = offloaded_adamw.CHUNK_ELEMENTS
+    default_chunk = host_update.CHUNK_ELEMENTS
     with tempfile.TemporaryDirectory() as tmp, \
             TensorStore(tmp, rank=0, host_memory_limit=1 << 30) as store:
         opts, lent = {}, {}
@@ -160,16 +161,16 @@ def main(argv=None) -> int:
             for label, mode, chunk in variants:
                 opt, hyper = opts[label], StepHyper(rnd + 1, 1e-4, 0.1)
                 # each optimizer sizes its scratch at its first update, at this chunk
-                offloaded_adamw.CHUNK_ELEMENTS = chunk or default_chunk
+                host_update.CHUNK_ELEMENTS = chunk or default_chunk
                 t0 = time.perf_counter()
                 if MODES[mode].fp32:
-                    opt._update_in_place(0, "bwd", hyper, None, lent[label])
+                    opt.host_update.in_place(0, "bwd", hyper, None, lent[label])
                 else:
-                    opt._update_chunked(0, "bwd", hyper, None, lent[label])
+                    opt.host_update.chunked(0, "bwd", hyper, None, lent[label])
                 seconds = time.perf_counter() - t0
                 if rnd:
                     runs[label].append(seconds)
-        offloaded_adamw.CHUNK_ELEMENTS = default_chunk
+        host_update.CHUNK_ELEMENTS = default_chunk
         for opt in opts.values():
             opt.close()
 

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from megatron_snake.optim.adamw import STATES
-from megatron_snake.optim.offloaded_adamw import PARTS, part_bounds
+from megatron_snake.optim.parts import PARTS, part_bounds
 from megatron_snake.optim.precision import REMAINDER, split_flat
 from megatron_snake.optim.unit_params import SHARED, UnitParams
 from megatron_snake.schedule.unit_store import UnitStore

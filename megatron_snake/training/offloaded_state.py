@@ -25,7 +25,8 @@ from megatron_snake.storage.temp_dirs import make_temp_offload_dir, sweep_dead_t
 from megatron_snake.offload.initial_weights import InitialWeights
 from megatron_snake.offload.unit_weights import OffloadedUnits
 from megatron_snake.optim.dp_shards import DataParallel
-from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
+from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
+from megatron_snake.optim.parts import part_bounds
 from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.training import distributed

@@ -22,7 +22,8 @@ import torch
 
 from megatron_snake.errors import UserError
 from megatron_snake.optim.dp_shards import DataParallel
-from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, part_bounds
+from megatron_snake.optim.host_update import HostUpdate
+from megatron_snake.optim.parts import part_bounds
 from megatron_snake.optim.precision import Precision
 from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
@@ -494,7 +495,7 @@ def update_bytes(precision: Precision, elements: int) -> int:
     per = precision.state_bytes + precision.grad_bytes
     if precision.master != torch.float32:   # remainders read it, an fp16 master makes it
         per += torch.tensor([], dtype=precision.params).element_size()
-    return per * elements + OffloadedAdamW.scratch_bytes()
+    return per * elements + HostUpdate.scratch_bytes()
 
 
 def check(preflight: Preflight, args, frees: list | None) -> None:

@@ -21,7 +21,7 @@ import os
 from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import check_checkpoint_interval
 from megatron_snake.optim.cpu_threads import check_optimizer_threads
-from megatron_snake.optim.offloaded_adamw import check_alpha
+from megatron_snake.optim.parts import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
 from megatron_snake.schedule.pipeline import default_group_size, snake_groups

@@ -1,0 +1,151 @@
+"""The update worker: one CPU thread that updates the optimizer's parts one at a time, in
+the order they are submitted, on state borrowed from the store.
+
+A part's update borrows its master weights, moments and gradient from the store
+(``TensorStore.borrow``: the host tier's bytes themselves when they are in host memory),
+runs the arithmetic (``optim/host_update.py``), hands the new working weights on
+(``publish``) and gives the state back to its tier. When an update starts, the reads of
+the one queued after it start, so its reads overlap this one's arithmetic; at most two
+updates' inputs are in memory however far the worker falls behind. The worker's seconds are
+counted by phase: waiting for the reads, the clip, the AdamW (in the chunked update also its
+loads, clip and roundings), and the new weights handed on with the gradient dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import megatron_snake.timeline as timeline
+from megatron_snake.optim.adamw import STATES
+from megatron_snake.optim.cpu_threads import budgeted_worker
+
+UPDATE_PHASES = ("read", "clip", "adamw", "weights")
+
+
+class UpdateWorker:
+    """Runs the parts' updates of ``host_update`` (a HostUpdate) on a worker with
+    ``threads`` CPU threads, on state in ``store`` given back to ``tier``. ``publish(key,
+    part, weights, lent, soon)``: the new working weights of a part (1-D pieces, read only
+    during the call), before its state is given back."""
+
+    def __init__(self, store, host_update, *, tier: str, threads: int, publish):
+        self.store, self.host_update, self.tier = store, host_update, tier
+        self.remainders = host_update.precision.remainders
+        self.publish = publish
+        self.threads = threads
+        self.executor = budgeted_worker(threads, "snake-adamw")
+        self._lock = threading.Lock()
+        self._running: dict = {}     # (key, part) -> Future on the worker
+        self._queued: list = []      # submitted updates not yet started, in order
+        # Seconds the worker spent updating, and seconds the caller waited for an update it
+        # needed: 1 - blocked_s / update_s of the step is hidden behind compute.
+        self.update_s = self.blocked_s = 0.0
+        # update_s by phase (a phase is added as it ends, update_s as the whole update does)
+        self.update_phase_s = dict.fromkeys(UPDATE_PHASES, 0.0)
+
+    def submit(self, key, part: str, hyper, clip_coef=None, soon: bool = False) -> None:
+        """Queue one part's update. ``soon``: a deferred part, run one unit ahead of its
+        weights' next read (the new weights are kept close for it)."""
+        with self._lock:
+            previous = self._running.get((key, part))
+        if previous is not None:  # its writes come first: the reads of this one follow them
+            previous.result()
+        job = {"key": key, "part": part, "reads": None}
+        with self._lock:
+            self._queued.append(job)
+            if len(self._queued) == 1:   # the worker is free for it: read its inputs now
+                job["reads"] = self._read_inputs(key, part)
+            fut: Future = self.executor.submit(self._update, job, hyper, clip_coef, soon)
+            self._running[(key, part)] = fut
+
+    def running(self, key, part: str | None = None) -> bool:
+        """Whether an update of ``key`` (of its ``part`` only, when given) is running or
+        queued."""
+        with self._lock:
+            return any(k == key and (part is None or p == part) and not f.done()
+                       for (k, p), f in self._running.items())
+
+    def finish(self, key, part: str) -> None:
+        """Block until the submitted update of ``part`` of ``key`` is done (none: return),
+        counting the wait as blocked; raises its error."""
+        with self._lock:
+            fut = self._running.pop((key, part), None)
+        if fut is not None and not fut.done():
+            t0 = time.perf_counter()
+            with timeline.span("optimizer.wait", "wait", unit=str(key)):
+                fut.result()
+            self.blocked_s += time.perf_counter() - t0
+        elif fut is not None:
+            fut.result()
+
+    def wait_running(self) -> None:
+        """Wait for the updates submitted so far."""
+        with self._lock:
+            running = list(self._running.values())
+        for fut in running:
+            fut.result()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    # --- on the worker -------------------------------------------------------------------
+    def _read_inputs(self, key, part) -> dict:
+        """Start borrowing one part's state and gradient (handles): the update changes the
+        host tier's bytes in place, so state read ahead into host memory is neither copied
+        out nor copied again into staging on its way back to the drive. With master-weight
+        remainders, the working weights (the masters' high halves) are read too."""
+        reads = {name: self.store.borrow((name, key, part)) for name in STATES + ("grad",)}
+        if self.remainders:
+            reads["w"] = self.store.get(("w", key, part), device="cpu")
+        return reads
+
+    def _next_job(self, job: dict) -> None:
+        """As ``job`` starts: read the inputs of the update queued after it."""
+        with self._lock:
+            self._queued.remove(job)
+            if job["reads"] is None:
+                job["reads"] = self._read_inputs(job["key"], job["part"])
+            if self._queued and self._queued[0]["reads"] is None:
+                following = self._queued[0]
+                following["reads"] = self._read_inputs(following["key"], following["part"])
+
+    def _update(self, job: dict, hyper, clip_coef, soon: bool) -> None:
+        key, part = job["key"], job["part"]
+        updated = False
+        try:
+            self._next_job(job)
+            with timeline.span(f"update {key} {part}", "optimizer"):
+                self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
+            updated = True
+        finally:
+            if job["reads"] is not None:
+                self._end_loans(key, part, updated)
+
+    def _end_loans(self, key, part: str, updated: bool) -> None:
+        """The new state goes back to its tier and the gradient is deleted. After a
+        failure the state is deleted too: its bytes may be half updated in place, and a
+        later read must fail (KeyError) rather than return them; the update's error is
+        raised by its future."""
+        if ("grad", key, part) in self.store:
+            self.store.delete(("grad", key, part))
+        for name in STATES:
+            if updated:
+                self.store.give_back((name, key, part), tier=self.tier)
+            else:
+                self.store.delete((name, key, part))
+
+    def _update_part(self, key, part: str, hyper, clip_coef, soon: bool, reads: dict) -> None:
+        t0 = time.perf_counter()
+        lent = {name: h.wait() for name, h in reads.items()}
+        self._phase("read", t0)
+        weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase)
+        t = time.perf_counter()
+        self.store.delete(("grad", key, part))   # its host buffers are free now
+        self.publish(key, part, weights, lent, soon)   # before the master is given back
+        self._phase("weights", t)
+        self.update_s += time.perf_counter() - t0
+
+    def _phase(self, name: str, since: float) -> None:
+        self.update_phase_s[name] += time.perf_counter() - since
