@@ -371,6 +371,70 @@ def test_deleting_a_borrowed_value_ends_the_loan(tmp_path):
         s.synchronize()
 
 
+# --- a value written out of place: borrow_new, end_loan, rename -------------------------
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_new_value_is_written_into_lent_buffers_and_renamed_over_the_old(tmp_path, tier):
+    """An update out of place (the speculative optimizer's): the old value is lent and given
+    back unchanged (``end_loan``: its copies stay), the new one is written into lent host
+    buffers (``borrow_new``: the pool's, no copy) and stored; ``rename`` makes it the key's
+    value (read back verified from the drive, where its records keep their identity) and
+    frees the old one's buffers."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        old = torch.randn(40000)                       # three host buffers
+        s.put("m", old, tier=tier).wait()
+        lent = s.borrow("m").wait()
+        before = s.pool.resident
+        new = s.borrow_new("m.next", (40000,), torch.float32, tier=tier)
+        assert [p.numel() for p in new] == [p.numel() for p in lent]   # cut alike
+        assert s.pool.resident == before + 3, "the pool's buffers, no tensor of its own"
+        for dst, src in zip(new, lent):
+            torch.mul(src, 2, out=dst)
+        with pytest.raises(RuntimeError, match="lent"):
+            s.get("m.next")
+        s.end_loan("m")
+        s.give_back("m.next", tier=tier).wait()
+        assert torch.equal(s.get("m").wait(), old), "the old value as it was"
+        # its copies as they were, and the host copy the loan read from the drive
+        assert s.tiers("m") == (["host"] if tier == "host" else ["host", "nvme"])
+        s.rename("m.next", "m")
+        s.synchronize()
+        assert "m.next" not in s and s.tiers("m") == [tier]
+        assert torch.equal(s.get("m").wait(), old * 2)
+        if tier == "nvme":
+            assert s.pool.resident == 0, "the old value's host copy went with it"
+        with pytest.raises(RuntimeError, match="not lent"):
+            s.end_loan("m")
+
+
+def test_a_new_value_without_room_in_the_pool_is_lent_as_a_tensor(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=8 * BUF, buffer_bytes=BUF) as s:
+        s.put("fill", torch.randn(5 * 16000), tier="host").wait()   # 6 of 8 buffers
+        new = s.borrow_new("n", (40000,), torch.float32, tier="nvme")
+        assert sum(p.numel() for p in new) == 40000
+        for p in new:
+            p.fill_(7.0)
+        s.give_back("n", tier="nvme").wait()
+        assert s.tiers("n") == ["nvme"] and torch.equal(s.get("n").wait(),
+                                                          torch.full((40000,), 7.0))
+
+
+def test_rename_refuses_a_lent_value_and_deletes_what_it_replaces(tmp_path):
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        s.put("a", torch.ones(10), tier="nvme").wait()
+        s.put("b", torch.zeros(10), tier="host").wait()
+        s.borrow("a").wait()
+        with pytest.raises(RuntimeError, match="lent"):
+            s.rename("a", "b")
+        s.end_loan("a")
+        s.rename("a", "b")
+        s.synchronize()
+        # b's buffer is freed; a's host copy (read for the loan) stays with it
+        assert s.keys() == ["b"] and s.pool.resident == 1 and s.tiers("b") == ["host", "nvme"]
+        assert torch.equal(s.get("b").wait(), torch.ones(10))
+        with pytest.raises(KeyError):
+            s.rename("a", "c")
+
+
 def test_a_host_buffer_is_resident_when_it_is_made():
     """Its pages are faulted in once, when it is made (pinned memory is resident from the
     start), not by whichever copy or update first writes it."""

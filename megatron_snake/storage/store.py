@@ -39,6 +39,7 @@ chain per key) and the placement: which tier a put goes to or spills to, and the
 """
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -370,6 +371,67 @@ class TensorStore:
             fut = self._readers.submit(self._run_borrow, e, e.last)
             e.last, e.lent = fut, True
         return Handle(fut, self)
+
+    def borrow_new(self, key, shape, dtype: torch.dtype, kind="misc", tier="nvme",
+                   keep_free=None):
+        """Lend a new value of ``key`` for the caller to write (an update written out of
+        place), as ``borrow`` lends one to change: 1-D views of its dtype, one per host
+        buffer, of buffers of the pool, else of a new tensor; returned at once. For
+        ``tier`` "host" the buffers are the placement's (waited for, as a host-tier put's);
+        for another tier they are taken only when the pool has room now (``keep_free``
+        left free). End the loan with ``give_back`` (stored from those buffers) or
+        ``delete``. A value ``key`` had is replaced, as by a put."""
+        shape = tuple(shape)
+        size = torch.tensor([], dtype=dtype).element_size()
+        nbytes = size * math.prod(shape)
+        in_place = nbytes and self._host.seg_payload % size == 0
+        bufs = None
+        if in_place and tier == "host":
+            bufs = self._host.pool.acquire(len(self._host.segments(nbytes)), resident=True,
+                                           what=f"key {key!r}")
+        elif in_place:
+            bufs = self._host.take_for_converted(nbytes, self._room(keep_free))
+        with self._lock:
+            try:
+                e, old = self._new_entry(key, kind, dtype, shape, nbytes, torch.device("cpu"))
+            except BaseException:
+                if bufs is not None:
+                    self._host.release(bufs)
+                raise
+            e.lent = True
+            if bufs is not None:
+                e.host, e.sealed = bufs, False
+            if old is not None:
+                self._forget(old)
+        if bufs is not None:
+            return self._host.payloads(e)
+        flat = torch.empty(nbytes // size if size else 0, dtype=dtype)
+        e.lent_copy = flat
+        return [flat[a // size:b // size] for _, a, b in self._host.segments(nbytes)]
+
+    def end_loan(self, key):
+        """End ``borrow(key)``'s loan of a value the caller did not change: its copies stay
+        as they were (a copy lent when it had none on the host tier is dropped)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or not e.lent:
+                raise RuntimeError(f"end_loan({key!r}): the key is not lent (borrow it first)")
+            e.lent, e.lent_copy = False, None
+
+    def rename(self, src, dst):
+        """``src``'s value becomes ``dst``'s, and ``src`` is forgotten: no byte moves, the
+        operations queued on it run on, and ``dst``'s value before is deleted (after its
+        own operations). Neither may be lent."""
+        with self._lock:
+            e = self._entry(src)
+            old = self._entries.get(dst)
+            if old is not None and old.lent:
+                self._entry(dst)           # raises, naming the key
+            del self._entries[src]
+            e.key = dst                    # its messages name it; its records keep khash
+            self._entries[dst] = e
+            if old is not None:
+                self._forget(old)
 
     def give_back(self, key, tier="nvme"):
         """End ``borrow(key)``'s loan: the lent value, as changed, replaces the stored one

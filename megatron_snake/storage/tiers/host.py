@@ -124,9 +124,12 @@ class HostTier(Tier):
                                pieces)
 
     def lend(self, rec):
-        """The record's payloads themselves as 1-D views of its dtype, one per buffer, to be
-        changed in place (counted as read)."""
+        """The record's payloads themselves, to be changed in place (counted as read)."""
         self.counters.add("host", nread=rec.nbytes, kind=rec.kind)
+        return self.payloads(rec)
+
+    def payloads(self, rec):
+        """The record's payloads as 1-D views of its dtype, one per buffer."""
         return [payload(buf, b - a).view(rec.dtype)
                 for buf, (_, a, b) in zip(rec.host, self.segments(rec.nbytes))]
 
