@@ -219,9 +219,9 @@ def test_a_deferred_update_publishes_to_host_and_the_read_moves_it_to_the_drive(
                                  dtype=torch.float32)
         published, publish = [], weights.publish
 
-        def watch(key, part, master, soon=False):
+        def watch(key, part, master, soon=False, name="w"):
             published.append((key, part, soon))
-            publish(key, part, master, soon=soon)
+            publish(key, part, master, soon=soon, name=name)
 
         opt.on_weights = watch
         for step in range(2):
@@ -587,6 +587,35 @@ def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_pa
             store.get("w").wait()
             release.set()
             put.wait()
+            worker.shutdown()
+    link = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
+    assert link == [("link h2d", n)]
+
+
+def test_weights_put_onto_the_device_cross_the_link_once_when_read_at_once(tmp_path,
+                                                                            monkeypatch):
+    """New weights an update puts onto the device tier (a pinned unit's) and the unit reads
+    while that put is still copying: the read waits for the put and copies on the device,
+    so the weights cross the host link once, not a second time from the put's source."""
+    rate, n = 40 * MiB, 4 * MiB
+    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
+        release = threading.Event()
+        contiguous_source = store.copies.contiguous_source
+
+        def held(tensor, ready):      # the put is still writing while the device reads
+            release.wait(5)
+            return contiguous_source(tensor, ready)
+
+        monkeypatch.setattr(store.copies, "contiguous_source", held)
+        host = torch.full((n // 4,), 2.0)
+        with emulated_device.emulating(link_bytes_per_s=rate), \
+                timeline.recording() as recorded:
+            worker = ThreadPoolExecutor(1)
+            put = worker.submit(lambda: store.put("w", host, tier="gpu")).result()
+            read = store.get("w", out=torch.empty(n // 4))
+            release.set()
+            put.wait()
+            read.wait()        # (over the emulated link no byte moves: no values to check)
             worker.shutdown()
     link = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
     assert link == [("link h2d", n)]

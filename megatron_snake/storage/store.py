@@ -215,7 +215,11 @@ class TensorStore:
             except RuntimeError:
                 self._release_queue(nbytes)
                 raise
-            e.source, e.ready = tensor, ready
+            # a get while the put runs is served from its source (forwarding), but not
+            # when the put goes onto the device: the read then waits for that copy and
+            # copies on the device, where forwarding would cross the link a second time
+            if target is not self._gpu:
+                e.source, e.ready = tensor, ready
             prev = old.last if old is not None else None
             room = None if spill is None else self._room(keep_free)
             fut = self._writers_for(target).submit(self._run_put, e, old, prev, tensor,
