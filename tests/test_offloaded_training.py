@@ -33,12 +33,14 @@ def _reference(model, batches, clip):
     return reference_training(model, batches, clip=clip, lr=LR, weight_decay=WD, steps=STEPS)
 
 
-def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical_forward_backward):
+def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical_forward_backward,
+           speculate=False):
     units = GPTUnits(model, interval)
     params = UnitParams.of(units)
     with TensorStore(offload_dir, rank=0, host_memory_limit=256 << 20) as tstore:
         opt = OffloadedAdamW(params, tstore, lr=LR, weight_decay=WD, clip_grad=clip,
-                             alpha=alpha)
+                             alpha=alpha, speculate=[lay.key for lay in params.all_layouts()]
+                             if speculate else ())
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
                                  dtype=torch.float32)
         sched = cosine_scheduler(opt, LR, WD, STEPS)
@@ -62,17 +64,20 @@ def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical
         assert any(os.scandir(offload_dir / "rank0")), "state lives in rank0/ swap files"
         weights.load_all()
         opt.close()
+        assert not [k for k in tstore.keys() if str(k[0]).endswith(".next")], \
+            "no speculative state outlives its step"
+    _snake.speculation = (opt.speculated, opt.speculation_misses)
     return losses, traffic
 
 
-def _train_both(megatron_world, tmp_path, flags, num_mb, clip, alpha):
+def _train_both(megatron_world, tmp_path, flags, num_mb, clip, alpha, speculate=False):
     torch.use_deterministic_algorithms(True)
     args = tiny_args(*flags)
     reference, ours = build_model(args, megatron_world), build_model(args, megatron_world)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
     batches = [make_microbatches(num_mb, seed=s) for s in range(STEPS)]
     ref_losses = _reference(reference, batches, clip)
-    losses, _ = _snake(ours, batches, clip, alpha, tmp_path, interval=2)
+    losses, _ = _snake(ours, batches, clip, alpha, tmp_path, interval=2, speculate=speculate)
     torch.use_deterministic_algorithms(False)
     assert [torch.equal(a, b) for a, b in zip(losses[0], ref_losses[0])] == [True] * num_mb, \
         "step 1 sees the same initial weights: identical losses"
@@ -99,6 +104,26 @@ def test_offloaded_adamw_equals_megatron_plus_torch_adamw(megatron_world, tmp_pa
                         2, clip, alpha)
     for name, (ours, ref) in pairs.items():
         assert torch.equal(ours, ref), f"{name}: not bit-identical"
+
+
+@pytest.mark.parametrize("clip,misses", [(0.5, 5), (1.5, 3), (100.0, 0)],
+                         ids=["the clip binds", "binds, then not", "never binds"])
+@pytest.mark.parametrize("alpha", [0.0, 0.25])
+def test_speculative_updates_are_exact_whether_the_clip_binds_or_not(
+        megatron_world, tmp_path, clip, misses, alpha):
+    """With clipping, each backward part is updated in the backward sweep as if the clip
+    coefficient were 1, out of place; the step keeps that state when the norm is within
+    --clip-grad, else it updates the part again from the old state with the coefficient.
+    The norms here fall from 2.5 to 1.26 over five steps, so a clip of 0.5 binds every step,
+    1.5 the first three, 100 none: each run's weights after five steps are those of
+    Megatron's schedule with torch's clip_grad_norm_ and fused AdamW, bit for bit."""
+    pairs = _train_both(megatron_world, tmp_path, ("--untie-embeddings-and-output-weights",
+                                                   "--position-embedding-type", "rope"),
+                        2, clip, alpha, speculate=True)
+    for name, (ours, ref) in pairs.items():
+        assert torch.equal(ours, ref), f"{name}: not bit-identical"
+    layouts = 3   # 5 layers in units of 2, untied: no shared layout
+    assert _snake.speculation == (STEPS * layouts, misses * layouts)
 
 
 def test_offloaded_adamw_tied_three_microbatches(megatron_world, tmp_path):

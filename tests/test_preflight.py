@@ -207,6 +207,7 @@ def test_bytes_equal_build_offloaded_state(megatron_world, tmp_path, monkeypatch
         assert pf.host_buffers == offloaded_state.host_buffers_needed(
             args, params, dp, sorted(state.weights.pinned), store.host_buffers_for)
         assert pf.pool_buffers == store.pool.count
+        assert pf.speculation == state.speculation and state.speculation.layouts
         assert asked == [pf.drive_planned - (0 if initial else pf.nvme_initial)]
         if not initial:   # nothing on the drive yet: the same margin, the same figure
             assert state.capacity[0] == pf.drive_needed - (
@@ -229,6 +230,31 @@ def test_bytes_equal_build_offloaded_state(megatron_world, tmp_path, monkeypatch
     if "--save-interval" in flags:
         assert pf.checkpoints_on_drive and pf.checkpoints == 5 * (
             pf.params_rank * pf.elem + 12 * pf.params_rank)
+
+
+def test_speculation_is_planned_first_in_the_forward_order_while_its_state_fits():
+    """The layouts first in the forward sweep's order speculate while their kept state fits
+    (the host pool's room, or the drive's free space with the space check's margin); none
+    where no update waits for the step's verdict, or where the flag turns it off."""
+    from megatron_snake.storage import directory
+    from megatron_snake.training.offloaded_state import plan_speculation
+
+    parts = [1000, 3000, 2000]            # each layout's backward part, in forward order
+    buffers = lambda nbytes: -(-nbytes // 4096)   # noqa: E731 - a toy pool of 4 KiB buffers
+    args = _args("--snake-offload")
+    host = plan_speculation(args, parts, "host", buffers, host_room=11)
+    assert host.layouts == (0,) and host.host_buffers == 3 and host.kept_bytes == 12000
+    assert "room" in host.summary() and "1 of 3" in host.summary()
+    assert plan_speculation(args, parts, "host", buffers, host_room=None).layouts == (0, 1, 2)
+    room = int(12 * 4000 * (1 + directory.MARGIN_FRACTION)) + 1
+    drive = plan_speculation(args, parts, "nvme", buffers, drive_room=room)
+    assert drive.layouts == (0, 1) and drive.host_buffers == 0 and drive.kept_bytes == 48000
+    for flags, why in [(["--snake-speculate", "off"], "--snake-speculate off"),
+                       (["--clip-grad", "0"], "no clip or loss scale")]:
+        none = plan_speculation(_args("--snake-offload", *flags), parts, "nvme", buffers)
+        assert none.layouts == () and why in none.summary()
+    fp16 = _args("--snake-offload", "--fp16", "--clip-grad", "0")
+    assert plan_speculation(fp16, parts, "nvme", buffers).layouts == (0, 1, 2)
 
 
 def _with_margin(planned: int) -> int:

@@ -168,21 +168,25 @@ class OffloadedUnits(UnitStore):
             handle.wait()
         return self.dp.all_gather(local, lay.numel)
 
-    def publish(self, key, part: str, master: list, soon: bool = False) -> None:
+    def publish(self, key, part: str, master: list, soon: bool = False,
+                name: str = "w") -> None:
         """The optimizer's callback (on its worker): new working weights for one part, from
-        its fp32 master weights (consecutive 1-D pieces, read only during the call).
-        ``soon``: the unit is read next (a deferred update runs one unit ahead), so a unit
-        whose weights live on the drive keeps them in host memory when it has room, until
-        the backward sweep's read evicts them to the drive (``acquire_unit``)."""
+        its fp32 master weights (consecutive 1-D pieces, read only during the call), as
+        record ``(name, key, part)``. ``soon``: the unit is read next (a deferred update runs
+        one unit ahead), so a unit whose weights live on the drive keeps them in host memory
+        when it has room, until the backward sweep's read evicts them to the drive
+        (``acquire_unit``). Another ``name`` than "w": weights kept apart until the
+        optimizer renames them "w" (a speculative update's, under remainders), in host
+        memory or on the drive, not on the device."""
+        record, tier = (name, key, part), self.tier_of(key)
         # converted straight into host buffers when they go there (put_converted)
-        if soon and key != SHARED and self.tier_of(key) == "nvme":
-            self.store.put_converted(("w", key, part), master, self.dtype, tier="host",
+        if soon and key != SHARED and tier == "nvme" or name != "w" and tier == "gpu":
+            self.store.put_converted(record, master, self.dtype, tier="host",
                                      kind="weights", spill="nvme",
                                      keep_free=self.host_keep_free)
         else:
-            self.store.put_converted(("w", key, part), master, self.dtype,
-                                     tier=self.tier_of(key), kind="weights")
-        if key == SHARED:
+            self.store.put_converted(record, master, self.dtype, tier=tier, kind="weights")
+        if key == SHARED:   # read again before its next use (kept apart: once renamed)
             self._shared_stale = True
 
     def _refresh_shared(self, reads=None) -> None:

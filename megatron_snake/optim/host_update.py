@@ -131,16 +131,29 @@ class HostUpdate:
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self._scratch: dict | None = None   # the chunked update's fp32 buffers
 
-    def run(self, key, part: str, hyper, clip_coef, lent: dict, phase) -> list[torch.Tensor]:
+    def run(self, key, part: str, hyper, clip_coef, lent: dict, phase,
+            out: dict | None = None) -> list[torch.Tensor]:
         """Update part ``part`` of layout ``key`` in the lent records ``lent`` ({state:
         1-D pieces}; "w" too under remainders) with ``hyper`` (StepHyper) and the clip
         coefficient (None: no clip), timing its phases with ``phase(name, since)``.
-        Returns the new working weights' pieces (the new master itself in fp32)."""
+        ``out``: write the new master weights and moments there ({state: 1-D pieces of
+        records of the same dtypes and sizes}, a scaled state's scales as the part's next
+        ones) and leave ``lent`` as it is, but for the clip of its gradient. Returns the
+        new working weights' pieces (the new master itself in fp32)."""
+        if out is not None:
+            t = time.perf_counter()
+            for name in STATES:    # records of one dtype and size are cut alike
+                for dst, src in zip(out[name], lent[name]):
+                    dst.copy_(src)
+            lent = {**lent, **{name: out[name] for name in STATES}}
+            if self.precision.remainders:   # the working weights are the masters' high halves
+                lent["w"] = lent["w"].clone()
+            phase("adamw", t)
         if self.precision.fp32:
             self.in_place(key, part, hyper, clip_coef, lent, phase)
             return lent["master"]
         t = time.perf_counter()
-        weights = self.chunked(key, part, hyper, clip_coef, lent)
+        weights = self.chunked(key, part, hyper, clip_coef, lent, next_scales=out is not None)
         phase("adamw", t)
         return weights
 
@@ -177,14 +190,16 @@ class HostUpdate:
         phase("adamw", t)
 
     # --- the chunked update (precision-aware) -------------------------------------------
-    def chunked(self, key, part: str, hyper, clip_coef, lent: dict) -> list[torch.Tensor]:
+    def chunked(self, key, part: str, hyper, clip_coef, lent: dict,
+                next_scales: bool = False) -> list[torch.Tensor]:
         """One part's update with states in their own dtypes: each parameter piece, in
         chunks of at most CHUNK_ELEMENTS cut at 16-element lines from its start, loaded into
         fp32 scratch (several small pieces share one batch), updated by the fused kernel
         (one tensor per chunk: the bits of the kernel on the whole piece), and rounded back
         into the lent records. A scaled state (fp16, fp8) takes its piece's absmax after the
         update: a piece longer than one chunk is computed twice, the first time for its
-        absmax only. Returns the new working weights' pieces for ``on_weights``."""
+        absmax only. Returns the new working weights' pieces for ``on_weights``.
+        ``next_scales``: the new scales are the part's next ones (an update out of place)."""
         p = self.precision
         flats = {name: _Flat(lent[name]) for name in STATES + ("grad",)}
         pieces = self.states.pieces(key, part)
@@ -224,7 +239,7 @@ class HostUpdate:
                         self._store_chunk(index, a, b, view, flats, new_w, scales_out,
                                           amax, long)
         for name in scaled:
-            self.states.scales[(name, key, part)] = scales_out[name]
+            self.states.set_scales(name, key, part, scales_out[name], next_scales)
         return [new_w] if new_w is not None else lent["master"]
 
     @staticmethod

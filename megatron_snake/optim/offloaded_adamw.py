@@ -37,7 +37,7 @@ from megatron_snake.optim.cpu_threads import check_optimizer_threads
 from megatron_snake.optim.dp_shards import DataParallel, all_reduce_on_backend
 from megatron_snake.optim.host_update import HostUpdate
 from megatron_snake.optim.optimizer_checkpoint import CheckpointState
-from megatron_snake.optim.parts import PARTS, PartStates, check_alpha
+from megatron_snake.optim.parts import PARTS, PartStates, check_alpha, next_key
 from megatron_snake.optim.precision import Precision, split_flat
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.optim.update_worker import UpdateWorker
@@ -60,7 +60,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
                  model_parallel_group=None, embedding_group=None, initial=None,
                  precision: Precision | None = None, weight_records: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, speculate=()):
         """``initial``: where the parameters' values are when they are not in memory
         (``offload.initial_weights.InitialWeights``); by default they are read from the
         parameters. ``precision``: the dtype each state is stored in (default: every one
@@ -68,7 +68,9 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         record ``("w", key, part)``: the update reads it and replaces it (``on_weights``, or
         itself without one); ``weight_records``: write every layout's first one here
         (``OffloadedUnits`` writes them itself). ``threads``: the update's CPU threads
-        (default: ``cpu_threads.default_optimizer_threads``)."""
+        (default: ``cpu_threads.default_optimizer_threads``). ``speculate``: the layouts
+        whose backward part is updated at once even when the step's norm or overflow flag
+        must be known first (``_gradient_shard``; none by default)."""
         check_alpha(alpha)
         check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
@@ -109,6 +111,11 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm
         self._clip_coef: torch.Tensor | None = None
         self._deferred: dict = {}    # (key, part) -> StepHyper, waiting for the next forward
+        self.speculate = frozenset(speculate) if self.precision.speculable else frozenset()
+        self._speculated: dict = {}  # (key, part) -> StepHyper, updated out of place
+        # parts updated speculatively, and those of them updated again (the clip bound or
+        # an fp16 gradient overflowed), over the run
+        self.speculated = self.speculation_misses = 0
         self._reducing: list = []    # [(key, PendingShard)]: reduce-scatters in flight
         self.collective_log: list = []  # this step's ("launch"|"wait", key), in order
         self._read_ahead: list = []     # handles of the state read ahead last
@@ -184,13 +191,43 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         """``update_s`` by phase (``UPDATE_PHASES``)."""
         return self.updates.update_phase_s
 
-    def _publish(self, key, part: str, weights: list, lent: dict, soon: bool) -> None:
-        """A part's new working weights (the worker's ``publish``): to ``on_weights``, or
-        under remainders to the optimizer's own working-weight records."""
+    def counters(self) -> dict:
+        """What the log reports of the updates, cumulative: seconds updating and waited
+        for (``update_s``, ``blocked_s``), speculative parts and those updated again."""
+        return {"update_s": self.update_s, "blocked_s": self.blocked_s,
+                "speculated": self.speculated, "misses": self.speculation_misses}
+
+    def log_fields(self, since: dict) -> str:
+        """``--snake-log-details``' optimizer fields since ``since`` (``counters()``)."""
+        now = self.counters()
+        d = {k: now[k] - since[k] for k in now}
+        hidden = 1.0 - d["blocked_s"] / d["update_s"] if d["update_s"] else 1.0
+        text = (f"optimizer update (interval) {d['update_s']:.2f} s, hidden {hidden:.1%}")
+        if self.speculate:
+            text += (f" | speculative parts (interval) {d['speculated']}, updated again "
+                     f"{d['misses']}")
+        return text
+
+    def summary(self) -> str:
+        """The whole run's updates, for the line after the last step."""
+        c = self.counters()
+        hidden = 1.0 - c["blocked_s"] / c["update_s"] if c["update_s"] else 1.0
+        line = (f"> optimizer (whole run): updates {c['update_s']:.2f} s on {self.threads} "
+                f"CPU thread(s), {hidden:.1%} hidden behind compute")
+        if self.speculate:
+            line += (f"; speculative updates {c['speculated']} parts, {c['misses']} of them "
+                     "updated again (the clip bound, or an fp16 step was skipped)")
+        return line
+
+    def _publish(self, key, part: str, weights: list, lent: dict, soon: bool,
+                 name: str) -> None:
+        """A part's new working weights for record ``(name, key, part)`` (the worker's
+        ``publish``): to ``on_weights``, or under remainders to the optimizer's own
+        working-weight records."""
         if self.on_weights is not None:
-            self.on_weights(key, part, weights, soon=soon)
+            self.on_weights(key, part, weights, soon=soon, name=name)
         elif weights is not lent["master"]:   # remainders: the optimizer's own records
-            self.store.put_converted(("w", key, part), weights, self.precision.params,
+            self.store.put_converted((name, key, part), weights, self.precision.params,
                                      tier=self.tier, kind="weights")
 
     # --- backward sweep ----------------------------------------------------------------
@@ -280,16 +317,26 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             handle = self._put_gradient(("grad", key, part), shard[lo - start:hi - start])
             if shard.is_cuda or emulated_device.active() is not None:
                 self._device_gradients.append(handle)
-            if part not in self._parts_waiting_for_step():
+            if part == "bwd" and not self._needs_step():
                 self.updates.submit(key, part, self._hyper)
+            elif part == "bwd" and key in self.speculate:
+                # Speculation, then validation (SuperOffload): updated now as if the clip
+                # coefficient were 1 and no gradient overflowed, out of place; the step
+                # boundary keeps the new state, or updates the part again from the old.
+                self.updates.submit(key, part, self._hyper, speculative=True)
+                self._speculated[(key, part)] = self._hyper
             else:
                 self._deferred[(key, part)] = self._hyper
 
-    def _parts_waiting_for_step(self) -> tuple:
-        """The parts whose update runs in the next forward sweep: the forward part, and
-        the backward part too when clipping or loss scaling needs the step's norm or
-        overflow flag first."""
-        return PARTS if (self.clip_grad > 0 or self.grad_scaler is not None) else ("fwd",)
+    def _needs_step(self) -> bool:
+        """Whether an update needs the step's norm (the clip) or overflow flag first."""
+        return self.clip_grad > 0 or self.grad_scaler is not None
+
+    def _waits_for_step(self, key, part: str) -> bool:
+        """Whether the part's update is left for the next forward sweep at its gradient:
+        the forward part always, the backward part when the step's norm or overflow flag
+        is needed and the layout does not speculate."""
+        return part == "fwd" or (self._needs_step() and key not in self.speculate)
 
     def _put_gradient(self, key, part_of_shard: torch.Tensor):
         """A gradient waits for its update in the fastest tier with room: host when the pool
@@ -306,6 +353,9 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._drain_reductions()  # the last unit's gradient: the end of the backward sweep
         self._finish_tied_sums()
         emulated_device.host_read()   # the norms and the overflow flag are the device's
+        speculated, self._speculated = self._speculated, {}
+        for key, part in speculated:   # the backward sweep's last updates (unit 0's next)
+            self.updates.finish(key, part)
         if self.grad_scaler is not None:
             found = self.dp.max(self._found_inf.to("cpu") if self._found_inf is not None
                                 else torch.zeros(1))
@@ -321,7 +371,8 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                     self.store.delete(("grad", key, part))
                 self._deferred.clear()
                 self._hyper, self._norms = None, {}
-                self._drop_read_ahead()
+                self._drop_read_ahead()   # before the weights are made again from that state
+                self._discard_speculation(speculated, skipped=True)
                 return False, None, None
         # The 2-norm of the per-parameter norms, in parameter order, in fp32 (Megatron's
         # formula; on the CPU the same arithmetic as torch.nn.utils.clip_grad_norm_, on a
@@ -342,10 +393,49 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             # 1 (times 1 changes no bit, and costs a pass over every gradient on the CPU)
             coef = clip_coefficient(self.clip_grad, total)
             self._clip_coef = coef if float(coef) < 1.0 else None
+        if self._clip_coef is None:   # what the speculation assumed: its state is the step's
+            self._commit_speculation(speculated)
+        else:
+            self._discard_speculation(speculated, skipped=False)
         self.iteration += 1
         self._hyper, self._norms = None, {}
         self._stop_read_ahead()
         return True, total.item(), None
+
+    def _commit_speculation(self, speculated: dict) -> None:
+        """The state the speculative updates wrote out of place becomes the parts' state;
+        their gradients are done with."""
+        names = STATES + (("w",) if self.precision.remainders else ())
+        for key, part in speculated:
+            for name in names:
+                self.store.rename(next_key(name, key, part), (name, key, part))
+            self.states.commit_next(key, part)
+            self.store.delete(("grad", key, part))
+        self.speculated += len(speculated)
+
+    def _discard_speculation(self, speculated: dict, skipped: bool) -> None:
+        """The speculative updates assumed wrongly: their state is deleted and the parts'
+        state is as it was. A step the clip scales updates each part again, from that
+        state and its gradient, in the next forward sweep (as a deferred part); a skipped
+        step (an fp16 overflow) updates nothing, and the working weights the speculative
+        updates published are made again from the old master weights (under remainders
+        they were kept apart)."""
+        names = STATES + (("w",) if self.precision.remainders else ())
+        for (key, part), hyper in speculated.items():
+            for name in names:
+                self.store.delete(next_key(name, key, part))
+            self.states.drop_next(key, part)
+            if skipped:
+                self.store.delete(("grad", key, part))
+                if not self.precision.remainders:
+                    # every part: the resident shared weights are read again whole, and a
+                    # part never updated yet has no working-weight record
+                    for other, _, _ in self.states.parts(key):
+                        self.updates.republish(key, other)
+            else:
+                self._deferred[(key, part)] = hyper
+        self.speculated += len(speculated)
+        self.speculation_misses += len(speculated)
 
     def _stop_read_ahead(self) -> list:
         """The step boundary: no more read-ahead for the forward sweep about to run.
@@ -398,12 +488,11 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             order = self._read_ahead_order
             if order is None or any(not h.done() for h in self._read_ahead):
                 return
-            deferred = self._parts_waiting_for_step()
             while self._read_ahead_next < len(order):
                 key = order[self._read_ahead_next]
                 self._read_ahead_next += 1
                 parts = [p for p, (lo, hi) in zip(PARTS, self.states.bounds(self.layouts[key]))
-                         if hi > lo and p in deferred]
+                         if hi > lo and self._waits_for_step(key, p)]
                 if parts:
                     keys = [(name, key, part) for part in parts
                             for name in STATES + (("w",) if self.precision.remainders else ())]

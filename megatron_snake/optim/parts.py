@@ -43,6 +43,12 @@ def part_bounds(lay: FlatLayout, alpha: float, dp: DataParallel = DataParallel()
     return (start, split), (split, end)
 
 
+def next_key(name: str, key, part: str) -> tuple:
+    """The store key of state ``name`` of a part as an update wrote it out of place, until
+    it is the part's state (``("master", key, part)`` and so on)."""
+    return (f"{name}.next", key, part)
+
+
 def check_alpha(alpha: float) -> None:
     """``--snake-alpha``: the deferred (forward) part of each update, 0 to 0.5 of it (the
     flag check and ``OffloadedAdamW`` both call this)."""
@@ -88,6 +94,22 @@ class PartStates:
         """A fresh scaled moment: zero with scale 1 (Transformer Engine's start)."""
         if self.precision.dtype(name) in SCALED:
             self.scales[(name, key, part)] = [1.0] * len(self.pieces(key, part))
+
+    def set_scales(self, name: str, key, part: str, scales: list, next_: bool = False) -> None:
+        """A part's new scales of state ``name``; ``next_``: of the state an update wrote
+        out of place, kept apart until ``commit_next`` (or ``drop_next``)."""
+        self.scales[(name, key, part, "next") if next_ else (name, key, part)] = scales
+
+    def commit_next(self, key, part: str) -> None:
+        """The state written out of place is the part's state now: its scales too."""
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            scales = self.scales.pop((name, key, part, "next"), None)
+            if scales is not None:
+                self.scales[(name, key, part)] = scales
+
+    def drop_next(self, key, part: str) -> None:
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            self.scales.pop((name, key, part, "next"), None)
 
     def encode(self, name: str, key, part: str, values: torch.Tensor) -> torch.Tensor:
         """A state's values of one part (fp32; a master under remainders: its int16

@@ -143,6 +143,15 @@ class Precision:
         return all(d == torch.float32 for d in (self.master, self.exp_avg, self.exp_avg_sq,
                                                 self.grad))
 
+    @property
+    def speculable(self) -> bool:
+        """Whether an update may be speculated (``OffloadedAdamW``'s ``speculate``): its
+        working weights, published before the step's verdict, can be put back as they were
+        from the stored master (fp32: a cast of it; remainders: their record is kept apart
+        until the verdict). An fp16 master is stored scaled, so the weights the update
+        published from its fp32 result cannot be."""
+        return self.master != torch.float16
+
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a state ("master", "exp_avg", "exp_avg_sq") or "grad"."""
         return getattr(self, name)

@@ -4,7 +4,11 @@ the order they are submitted, on state borrowed from the store.
 A part's update borrows its master weights, moments and gradient from the store
 (``TensorStore.borrow``: the host tier's bytes themselves when they are in host memory),
 runs the arithmetic (``optim/host_update.py``), hands the new working weights on
-(``publish``) and gives the state back to its tier. When an update starts, the reads of
+(``publish``) and gives the state back to its tier. A *speculative* update (the clip
+coefficient taken as 1 before the step's norm is known) writes the new state out of place,
+into records of their own (``parts.next_key``, from ``TensorStore.borrow_new``), and leaves
+the state it read and its gradient as they were: the optimizer keeps the new state when the
+norm allows it and otherwise updates the part again from the old. When an update starts, the reads of
 the one queued after it start, so its reads overlap this one's arithmetic; at most two
 updates' inputs are in memory however far the worker falls behind. The worker's seconds are
 counted by phase: waiting for the reads, the clip, the AdamW (in the chunked update also its
@@ -20,6 +24,7 @@ from concurrent.futures import Future
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import STATES
 from megatron_snake.optim.cpu_threads import budgeted_worker
+from megatron_snake.optim.parts import next_key
 
 UPDATE_PHASES = ("read", "clip", "adamw", "weights")
 
@@ -27,8 +32,9 @@ UPDATE_PHASES = ("read", "clip", "adamw", "weights")
 class UpdateWorker:
     """Runs the parts' updates of ``host_update`` (a HostUpdate) on a worker with
     ``threads`` CPU threads, on state in ``store`` given back to ``tier``. ``publish(key,
-    part, weights, lent, soon)``: the new working weights of a part (1-D pieces, read only
-    during the call), before its state is given back."""
+    part, weights, lent, soon, name)``: the new working weights of a part (1-D pieces, read
+    only during the call) for the record ``(name, key, part)``, before its state is given
+    back."""
 
     def __init__(self, store, host_update, *, tier: str, threads: int, publish):
         self.store, self.host_update, self.tier = store, host_update, tier
@@ -45,20 +51,30 @@ class UpdateWorker:
         # update_s by phase (a phase is added as it ends, update_s as the whole update does)
         self.update_phase_s = dict.fromkeys(UPDATE_PHASES, 0.0)
 
-    def submit(self, key, part: str, hyper, clip_coef=None, soon: bool = False) -> None:
+    def submit(self, key, part: str, hyper, clip_coef=None, soon: bool = False,
+               speculative: bool = False) -> None:
         """Queue one part's update. ``soon``: a deferred part, run one unit ahead of its
-        weights' next read (the new weights are kept close for it)."""
+        weights' next read (the new weights are kept close for it). ``speculative``: out
+        of place, without a clip (above)."""
         with self._lock:
             previous = self._running.get((key, part))
         if previous is not None:  # its writes come first: the reads of this one follow them
             previous.result()
-        job = {"key": key, "part": part, "reads": None}
+        job = {"key": key, "part": part, "reads": None, "speculative": speculative}
         with self._lock:
             self._queued.append(job)
             if len(self._queued) == 1:   # the worker is free for it: read its inputs now
                 job["reads"] = self._read_inputs(key, part)
             fut: Future = self.executor.submit(self._update, job, hyper, clip_coef, soon)
             self._running[(key, part)] = fut
+
+    def republish(self, key, part: str) -> None:
+        """Queue publishing a part's working weights again from its stored fp32 master
+        weights, unchanged (a skipped step after a speculative update published others)."""
+        with self._lock:
+            reads = {"master": self.store.borrow(("master", key, part))}
+            self._running[(key, part)] = self.executor.submit(self._republish, key, part,
+                                                              reads)
 
     def running(self, key, part: str | None = None) -> bool:
         """Whether an update of ``key`` (of its ``part`` only, when given) is running or
@@ -116,11 +132,17 @@ class UpdateWorker:
         updated = False
         try:
             self._next_job(job)
-            with timeline.span(f"update {key} {part}", "optimizer"):
-                self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
+            with timeline.span(f"update {key} {part}", "optimizer",
+                               speculative=job["speculative"]):
+                if job["speculative"]:
+                    self._speculate(key, part, hyper, job["reads"])
+                else:
+                    self._update_part(key, part, hyper, clip_coef, soon, job["reads"])
             updated = True
         finally:
-            if job["reads"] is not None:
+            if job["reads"] is not None and job["speculative"]:
+                self._end_speculative_loans(key, part, updated)
+            elif job["reads"] is not None:
                 self._end_loans(key, part, updated)
 
     def _end_loans(self, key, part: str, updated: bool) -> None:
@@ -143,9 +165,46 @@ class UpdateWorker:
         weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase)
         t = time.perf_counter()
         self.store.delete(("grad", key, part))   # its host buffers are free now
-        self.publish(key, part, weights, lent, soon)   # before the master is given back
+        self.publish(key, part, weights, lent, soon, "w")   # before the master is given back
         self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
+
+    def _speculate(self, key, part: str, hyper, reads: dict) -> None:
+        """The update without a clip, out of place: the new state into next records, the
+        new working weights published (under remainders, as the next "w" record: they
+        are the masters' high halves)."""
+        t0 = time.perf_counter()
+        lent = {name: h.wait() for name, h in reads.items()}
+        self._phase("read", t0)
+        out = {name: self.store.borrow_new(next_key(name, key, part),
+                                           (sum(p.numel() for p in lent[name]),),
+                                           lent[name][0].dtype, kind="optim", tier=self.tier)
+               for name in STATES}
+        weights = self.host_update.run(key, part, hyper, None, lent, self._phase, out=out)
+        t = time.perf_counter()
+        self.publish(key, part, weights, out, False, "w.next" if self.remainders else "w")
+        self._phase("weights", t)
+        self.update_s += time.perf_counter() - t0
+
+    def _republish(self, key, part: str, reads: dict) -> None:
+        try:
+            master = reads["master"].wait()
+            self.publish(key, part, master, {"master": None}, False, "w")
+        finally:
+            self.store.end_loan(("master", key, part))
+
+    def _end_speculative_loans(self, key, part: str, updated: bool) -> None:
+        """The state read and the gradient stay as they were, for an update again; the
+        next state goes to its tier, or is deleted after a failure."""
+        self.store.end_loan(("grad", key, part))
+        for name in STATES:
+            # its host copy (read for the update, when the pool had room) stays until the
+            # verdict: an update again would read it
+            self.store.end_loan((name, key, part))
+            if updated:
+                self.store.give_back(next_key(name, key, part), tier=self.tier)
+            elif next_key(name, key, part) in self.store:
+                self.store.delete(next_key(name, key, part))
 
     def _phase(self, name: str, since: float) -> None:
         self.update_phase_s[name] += time.perf_counter() - since

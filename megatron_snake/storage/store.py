@@ -421,6 +421,8 @@ class TensorStore:
             if e is None or not e.lent:
                 raise RuntimeError(f"end_loan({key!r}): the key is not lent (borrow it first)")
             e.lent, e.lent_copy = False, None
+            if e.last is not None:   # the borrow's future holds the lent pieces
+                e.last = _completion(e.last)
 
     def rename(self, src, dst):
         """``src``'s value becomes ``dst``'s, and ``src`` is forgotten: no byte moves, the

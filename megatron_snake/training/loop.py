@@ -83,6 +83,8 @@ class Trainer:
         self.store_meter = offloaded_state.StoreMeter(
             run.tensor_store, details=getattr(run.args, "snake_log_details", False))
         self.exit_conditions, self.profiler = exit_conditions, profiler
+        # the offloaded optimizer's counters at the last log line
+        self._optimizer_since = run.optimizer.counters() if run.args.snake_offload else None
 
     def _batches(self, dataset, consumed: int):
         return micro_batches(dataset, micro_batch_size=self.args.micro_batch_size,
@@ -145,6 +147,11 @@ class Trainer:
         text, scalars = self.store_meter.interval(activation_peak)
         if self.args.snake_zenflow:
             text = " | ".join(p for p in (text, self.run.optimizer.log_fields()) if p)
+        elif self.args.snake_offload:
+            opt = self.run.optimizer
+            if self.args.snake_log_details:
+                text = " | ".join(p for p in (text, opt.log_fields(self._optimizer_since)) if p)
+            self._optimizer_since = opt.counters()
         return text, scalars
 
     def _write_trace(self, recorded: timeline.Timeline) -> None:
@@ -215,6 +222,8 @@ class Trainer:
             self.log.print(f"> --profile: trace written to {trace} (the run ended first)")
         if run.tensor_store is not None:
             self.log.print(self.store_meter.total())
+        if args.snake_offload:
+            self.log.print(run.optimizer.summary())
         return history
 
     @contextlib.contextmanager

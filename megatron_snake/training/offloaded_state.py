@@ -16,9 +16,11 @@ import torch
 
 from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import GPTUnits
+from megatron_snake.storage import directory
 from megatron_snake.storage.directory import named_twice
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
 from megatron_snake.storage.host_heap import bound_host_heap, keep_heap_trimmed
+from megatron_snake.storage.host_pool import STAGING_BUFFERS
 from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import TensorStore
 from megatron_snake.storage.temp_dirs import make_temp_offload_dir, sweep_dead_temp_offload_dirs
@@ -224,6 +226,7 @@ class OffloadedState:
     optimizer: OffloadedAdamW
     tiers: StateTiers          # where weights and optimizer state went (auto resolved)
     capacity: tuple = (0, 0)   # (bytes needed, bytes free) on the offload drive, checked
+    speculation: "Speculation" = None   # the layouts that speculate, the state they keep
 
     def summary(self, args) -> str:
         """Bytes this rank holds per tier, moves per step, and the free-space check."""
@@ -265,6 +268,8 @@ class OffloadedState:
                 f"offload files hold now), {mib(free)} free on the offload drive")
         if getattr(args, "use_precision_aware_optimizer", False):
             line += "\n" + self.optimizer.precision.summary()
+        if self.speculation is not None:
+            line += f"\n> {self.speculation.summary()} on {self.tiers.optimizer}"
         return line
 
 
@@ -394,6 +399,87 @@ def host_room(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int) -> 
     planned = sum(n for _, n in on_host_tier(args, tiers, need))
     reserve = 0 if tiers.params == "host" else 2 * need.largest_unit_weights
     return HostRoom(planned=planned, spill=staging + reserve, weights=staging)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Which layouts' backward parts are updated speculatively (``OffloadedAdamW``'s
+    ``speculate``: in the backward sweep, before the step's norm is known) and what they
+    keep until the step's verdict: each one's new master weights and moments beside the
+    old, on the optimizer's tier (``kept_bytes``; ``host_buffers`` of them in the pool)."""
+
+    layouts: tuple = ()          # indices in the forward sweep's order of updates
+    kept_bytes: int = 0
+    host_buffers: int = 0
+    of: int = 0                  # layouts that could speculate
+    why: str = ""                # why none or not all do
+
+    def summary(self) -> str:
+        if not self.layouts:
+            return f"speculative updates: none ({self.why})"
+        some = f"{len(self.layouts)} of {self.of} layouts" if len(self.layouts) < self.of \
+            else f"all {self.of} layouts"
+        return (f"speculative updates: {some}, keeping {size(self.kept_bytes)} of state "
+                "until each step's norm is known" + (f" ({self.why})" if self.why else ""))
+
+
+def plan_speculation(args, parts: list[int], tier: str, buffers_for, *,
+                     host_room: int | None = None, drive_room: int | None = None) -> Speculation:
+    """The layouts that speculate, first in the forward sweep's order (``parts``: the
+    size of each layout's backward part in that order): the first units' updates are on
+    the step's critical path (the forward sweep reads their weights first), while a later
+    unit's update, left for the forward sweep, hides behind the compute of the units before
+    it. They speculate only where an update needs the step's verdict (``--clip-grad``,
+    ``--fp16``), and while their kept state fits: in the pool's ``host_room`` buffers on
+    the host tier, in ``drive_room`` bytes (with the space check's margin) on the drive
+    (None: no limit known)."""
+    p = Precision.from_args(args)
+    if args.snake_speculate == "off":
+        return Speculation(of=len(parts), why="--snake-speculate off")
+    if not (args.clip_grad > 0 or args.fp16):
+        return Speculation(of=len(parts), why="no clip or loss scale: no update waits")
+    if not p.speculable:
+        return Speculation(of=len(parts), why="--main-params-dtype fp16")
+    per = [p.nbytes(n) for n in ("master", "exp_avg", "exp_avg_sq")]
+    chosen, kept, buffers = [], 0, 0
+    for index, numel in enumerate(parts):
+        more = numel * sum(per)
+        more_buffers = sum(buffers_for(numel * n) for n in per) if numel else 0
+        if tier == "host" and host_room is not None and buffers + more_buffers > host_room:
+            break
+        if tier == "nvme" and drive_room is not None and \
+                (kept + more) * (1 + directory.MARGIN_FRACTION) > drive_room:
+            break
+        chosen.append(index)
+        kept, buffers = kept + more, buffers + (more_buffers if tier == "host" else 0)
+    why = "" if len(chosen) == len(parts) else \
+        ("the host pool's room" if tier == "host" else "the drive's free space")
+    return Speculation(tuple(chosen), kept, buffers, len(parts), why)
+
+
+def kept_state_room(pool_buffers: int, planned: int) -> int:
+    """Pool buffers the kept state of speculative updates may take on the host tier: what
+    the planned host records leave, but a staging allowance (the default pool's) and one
+    buffer always free for the drive's I/O. Its buffers are planned too (reserved)."""
+    return pool_buffers - planned - min(STAGING_BUFFERS, pool_buffers // 8) - 1
+
+
+def backward_parts(args, params, dp: DataParallel) -> list[int]:
+    """This rank's backward part of each layout, in the forward sweep's order of updates
+    (what ``plan_speculation`` takes)."""
+    return [hi - lo for lo, hi in (part_bounds(lay, args.snake_alpha, dp)[0]
+                                   for lay in update_order(params))]
+
+
+def update_order(params) -> list:
+    """The layouts in the order the forward sweep updates them (each unit's, the shared
+    one with the unit that owns it)."""
+    order = []
+    for unit in range(len(params.units)):
+        order.append(params.units[unit])
+        if getattr(params, "shared_owner", 0) == unit and params.shared.segments:
+            order.append(params.shared)
+    return order
 
 
 def saves_to_offload_drive(args, offload_path: str) -> bool:
@@ -565,10 +651,16 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
             raise CapacityError(f"{exc} (This counts {mib(saved)} of --save checkpoints on "
                                 "the same file system: every saved iteration is kept; raise "
                                 "--save-interval or save to another drive.)") from None
+        speculation = plan_speculation(
+            args, backward_parts(args, params, dp), tiers.optimizer, store.host_buffers_for,
+            host_room=kept_state_room(store.pool.count, room.planned),
+            drive_room=capacity[1] - capacity[0] if capacity else None)
+        store.pool.reserved += speculation.host_buffers   # the kept state's, when on host
     except (OSError, ValueError, RuntimeError) as exc:
         error = exc
     distributed.raise_unless_all_ranks_ok(error, "host memory and free space check for the "
                                           "offloaded state")
+    order = update_order(params)
     optimizer = OffloadedAdamW(params, store, lr=args.lr, weight_decay=args.weight_decay,
                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                clip_grad=args.clip_grad, alpha=args.snake_alpha,
@@ -578,10 +670,11 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                embedding_group=_embedding_group(gpt), initial=initial,
                                precision=Precision.from_args(args),
                                weight_records=False,   # OffloadedUnits writes them
-                               threads=args.snake_optimizer_threads)
+                               threads=args.snake_optimizer_threads,
+                               speculate=[order[i].key for i in speculation.layouts])
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
                              tier=tiers.params, pinned=pinned, initial=initial,
                              host_keep_free=room.weights)
     if initial is not None:
         initial.drop()
-    return OffloadedState(units, weights, optimizer, tiers, capacity)
+    return OffloadedState(units, weights, optimizer, tiers, capacity, speculation)

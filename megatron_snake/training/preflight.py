@@ -33,10 +33,13 @@ from megatron_snake.storage.host_pool import (DEFAULT_BUFFER_BYTES, DEFAULT_POOL
 from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import host_buffers_for
 from megatron_snake.storage.temp_dirs import sweep_dead_temp_offload_dirs
-from megatron_snake.training.offloaded_state import (HostBuffers, StateTiers, check_host_memory,
+from megatron_snake.training.offloaded_state import (HostBuffers, Speculation, StateTiers,
+                                                     backward_parts, check_host_memory,
                                                      checkpoint_bytes_per_step,
                                                      checkpoint_bytes_planned,
-                                                     host_buffers_needed, nvme_bytes,
+                                                     host_buffers_needed, host_room,
+                                                     kept_state_room,
+                                                     nvme_bytes, plan_speculation,
                                                      offload_dirs_for_rank,
                                                      optimizer_bytes_per_param,
                                                      resolve_state_tiers,
@@ -222,6 +225,9 @@ class Preflight:
     offload_dir_given: bool
     pool_why: str = "given by --snake-host-memory-limit"   # where pool_bytes comes from
     precision: Precision = Precision()   # the dtype each optimizer state is stored in
+    # the layouts that speculate and the state they keep until each step's verdict: pool
+    # buffers on the host tier; on the drive, as much as its free space leaves room for
+    speculation: Speculation = Speculation()
 
     @property
     def params_rank(self) -> int:
@@ -243,6 +249,17 @@ class Preflight:
         """Pool buffers the host tiers hold, and one always free for staging (the count
         ``check_host_memory`` compares with the pool)."""
         return sum(n for _, n in self._on_host()) + 1
+
+    @property
+    def speculation_line(self) -> str:
+        s, t = self.speculation, self.tiers.optimizer
+        if s.layouts and t == "host":
+            return (f"> pre-flight {s.summary()}: {s.host_buffers} pool buffers of the host "
+                    "tier's")
+        if s.layouts:
+            return (f"> pre-flight {s.summary()}: on the drive, as many layouts as its free "
+                    "space leaves room for (checked at the start)")
+        return f"> pre-flight {s.summary()}"
 
     @property
     def host_working_set(self) -> int:
@@ -343,6 +360,7 @@ class Preflight:
             + f"); outside the pool: {outside}); the pool is {self.pool_why}",
             *([self.precision.summary()] if self.precision != Precision(
                 params=self.precision.params) else []),
+            self.speculation_line,
             *(self._drive_line(i, free) for i, free in enumerate(frees)),
         ])
 
@@ -366,8 +384,8 @@ class Preflight:
                 f"MiB margin{free}")
 
 
-def host_pool_default(args, need: HostBuffers,
-                      buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> tuple[int, str]:
+def host_pool_default(args, need: HostBuffers, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                      kept: int = 0) -> tuple[int, str]:
     """``--snake-host-memory-limit``'s default for this rank, and why, in words:
     ``host_pool.default_pool_bytes`` of the buffers its state may hold in host memory:
     the weights, the optimizer state and gradients and the step's unit inputs, whichever
@@ -378,15 +396,17 @@ def host_pool_default(args, need: HostBuffers,
     ``--snake-param-tier`` / ``--snake-optimizer-tier auto``, at least four times what
     they put on the host with the largest pool, so that the smaller pool makes the same
     choice (a quarter of the pool: ``resolve_state_tiers``). The cap when saved tensors
-    go to the host tier: their size is known only while running."""
+    go to the host tier: their size is known only while running. ``kept``: the buffers of
+    the state speculative updates keep, when the optimizer state is on the host tier."""
     cap = DEFAULT_POOL_CAP_BYTES
     cap_text = "the default's cap (without --snake-host-memory-limit)"
     if args.snake_activation_offload and args.snake_activation_tier == "host":
         return cap, f"{cap_text}: saved tensors on the host tier are sized while running"
-    state = need.weights + need.optimizer + need.unit_inputs
+    state = need.weights + need.optimizer + need.unit_inputs + kept
     what = (f"room for this rank's state, {state} buffers (weights {need.weights}, "
             f"optimizer state and gradients {need.optimizer}, unit inputs "
-            f"{need.unit_inputs}), and {STAGING_BUFFERS} for staging")
+            f"{need.unit_inputs}" + (f", speculative updates' kept state {kept}" if kept
+                                     else "") + f"), and {STAGING_BUFFERS} for staging")
     if args.snake_activation_tier == "auto" and 2 * need.unit_inputs > state:
         state = 2 * need.unit_inputs
         what = (f"twice the {need.unit_inputs} buffers of unit inputs (the auto plan may "
@@ -438,7 +458,10 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     need = host_buffers_needed(args, params, dp, pinned, host_buffers_for)
     pool_bytes, pool_why = args.snake_host_memory_limit, "given by --snake-host-memory-limit"
     if getattr(args, "snake_host_pool_default", False):   # the flag was not given
-        pool_bytes, pool_why = host_pool_default(args, need)
+        kept = plan_speculation(args, backward_parts(args, params, dp), "host",
+                                host_buffers_for).host_buffers \
+            if args.snake_optimizer_tier == "host" else 0
+        pool_bytes, pool_why = host_pool_default(args, need, kept=kept)
     pool_buffers = check_host_memory_limit(pool_bytes, DEFAULT_BUFFER_BYTES)
     tiers = resolve_state_tiers(args, need, pool_buffers)
     numel = -(-counts.total // dp.size)
@@ -462,6 +485,10 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
                                        else args.snake_group_size or args.num_microbatches)
     largest_part = max((hi - lo for lay in params.units + (params.shared,)
                         for lo, hi in part_bounds(lay, args.snake_alpha, dp)), default=0)
+    speculation = plan_speculation(
+        args, backward_parts(args, params, dp), tiers.optimizer, host_buffers_for,
+        host_room=kept_state_room(pool_buffers, host_room(args, tiers, need,
+                                                          pool_buffers).planned))
     return Preflight(
         params_total=gpt_parameter_total(args, vocab_size), counts=counts,
         ranks=(tp_rank, args.tensor_model_parallel_size, pp_rank,
@@ -482,7 +509,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         checkpoints_on=next((i for i, path in enumerate(paths) if os.path.isdir(path)
                              and saves_to_offload_drive(args, path)), None),
         offload_paths=tuple(paths), offload_dir_given=bool(args.snake_offload_dir),
-        precision=precision)
+        precision=precision, speculation=speculation)
 
 
 def update_bytes(precision: Precision, elements: int) -> int:

@@ -35,7 +35,8 @@ SNAKE_SCHEDULES = ("vertical", "horizontal")
 # Flags of the offloaded state: their defaults apply with --snake-offload, and given
 # without it they are an error.
 OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
-                         "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None}
+                         "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None,
+                         "--snake-speculate": "auto"}
 # The settings --snake-auto chooses: given with it, they are an error (not silently ignored).
 AUTO_CHOSEN_FLAGS = ("--snake-group-size", "--snake-alpha", "--snake-checkpoint-interval",
                      "--snake-param-tier", "--snake-optimizer-tier", "--snake-activation-tier")
@@ -103,6 +104,9 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--snake-host-memory-limit", default=None,
                    help="host buffer pool limit, e.g. 4GiB (default: what the run needs, "
                         f"at most {DEFAULT_POOL_CAP_BYTES >> 30}GiB)")
+    g.add_argument("--snake-speculate", default=None, choices=("auto", "off"),
+                   help="with --clip-grad or --fp16, update during backward as if the clip "
+                        "and the loss scale held, redo where not (default: auto)")
     g.add_argument("--snake-optimizer-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the host optimizer (default: half the cores, at most "
                         "OMP_NUM_THREADS)")
