@@ -25,7 +25,7 @@ def test_moved_site_fails_loudly(monkeypatch):
     msg = str(exc.value)
     assert "no longer contains 'a line Megatron no longer has'" in msg
     assert "function_renamed_upstream is gone" in msg
-    assert "megatron-core==0.16.1" in msg
+    assert "megatron-core>=0.16.1,<0.20" in msg
 
 
 def test_version_mismatch_is_reported(monkeypatch):
@@ -90,3 +90,77 @@ def test_megatron_full_recompute_runs_on_cpu(megatron_world):
         cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
     assert all(torch.isfinite(l) for l in losses)
     assert all(p.grad is not None for p in model.parameters())
+
+
+KERNELS = """\
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def copy_kernel(src, dst, N: tl.constexpr):
+    tl.store(dst, tl.load(src))
+
+
+def launch(src, dst):
+    copy_kernel[(1,)](src, dst, BLOCK)
+"""
+
+
+def test_a_module_importing_triton_at_its_top_loads_with_a_stand_in(tmp_path, monkeypatch):
+    """megatron-core 0.18's import path imports triton for MoE kernels: where triton is
+    missing, such a module (named by the release's row) loads, its kernels refuse when
+    launched, and triton stays unimportable for everyone else (torch asks)."""
+    import importlib.util
+    import sys
+
+    from megatron_snake import releases
+    from megatron_snake.compat import megatron_import
+    from megatron_snake.errors import UserError
+
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("triton is installed here: no stand-in is needed")
+    (tmp_path / "snake_test_kernels.py").write_text(KERNELS)
+    core = tmp_path / "site" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 18\nPATCH = 0\nPRE_RELEASE = ''\n")
+    row = dataclasses.replace(releases.release_of("0.18.0"), triton_at_import=("snake_test_kernels",))
+    monkeypatch.setattr(releases, "RELEASES", tuple(row if r.series == "0.18" else r
+                                                    for r in releases.RELEASES))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    with pytest.raises(ImportError):
+        __import__("snake_test_kernels")   # without the stand-in
+    sys.modules.pop("snake_test_kernels", None)
+    assert megatron_import.prepare(core) is row
+    kernels = __import__("snake_test_kernels")
+    try:
+        assert kernels.BLOCK == 1024
+        with pytest.raises(UserError, match="triton is not installed"):
+            kernels.launch(None, None)
+        assert "triton" not in sys.modules and importlib.util.find_spec("triton") is None
+    finally:
+        sys.modules.pop("snake_test_kernels", None)
+        megatron_import._prepared_for.discard("snake_test_kernels")
+
+
+def test_typing_override_is_provided_for_a_release_that_imports_it(tmp_path, monkeypatch):
+    import typing
+
+    from megatron_snake.compat import megatron_import
+
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\nPRE_RELEASE = ''\n")
+    monkeypatch.delattr(typing, "override", raising=False)
+    monkeypatch.setattr(megatron_import, "_prepared_for", set(megatron_import._prepared_for))
+    monkeypatch.setattr(megatron_import.sys, "meta_path", list(megatron_import.sys.meta_path))
+    assert megatron_import.prepare(core).series == "0.19"
+
+    @typing.override
+    def method():
+        return 1
+
+    assert method() == 1

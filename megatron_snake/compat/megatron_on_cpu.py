@@ -1,4 +1,5 @@
-"""Megatron-Core 0.16.1 on a CPU-only torch: the five patches, in one place.
+"""Megatron-Core (0.16 to 0.19: ``megatron_snake.releases``) on a CPU-only torch: the five
+patches, in one place.
 
 Megatron-Core assumes CUDA in a few places. On a machine whose compute device is the CPU
 we patch exactly these (docs/megatron_on_cpu.md says what each stands in for):
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+from megatron_snake import releases
 
 _applied = False
 _lock = threading.Lock()
@@ -95,9 +96,9 @@ def check_patched_sites() -> None:
 
     problems = []
     version = getattr(megatron.core, "__version__", "unknown")
-    if version != SUPPORTED_MEGATRON_CORE:
+    if releases.release_of(version) is None:
         problems.append(f"megatron-core is {version}, the CPU patches were written for "
-                        f"{SUPPORTED_MEGATRON_CORE}")
+                        f"{releases.SUPPORTED}")
     for site in PATCHED_SITES:
         try:
             src = site.source()
@@ -110,7 +111,8 @@ def check_patched_sites() -> None:
     if problems:
         raise PatchedSiteMoved(
             "megatron_snake's Megatron-Core-on-CPU patches no longer match this megatron-core "
-            "(pin megatron-core==0.16.1 or update megatron_snake/compat/megatron_on_cpu.py):\n  "
+            f"(install {releases.MEGATRON_CORE_REQUIREMENT} or update "
+            "megatron_snake/compat/megatron_on_cpu.py):\n  "
             + "\n  ".join(problems))
 
 

@@ -1,9 +1,10 @@
 """``python -m megatron_snake.megatron_lm SCRIPT.py [ARGS...]``: run a Megatron-LM entry
 script (``pretrain_gpt.py``) as ``__main__`` with the plug-in installed.
 
-In order: ``sys.argv`` becomes ``[SCRIPT, *ARGS]``; ``sys.path`` is arranged so that the
-*installed* megatron-core is imported while ``megatron.training`` and the script's own
-modules (``gpt_builders``, ``model_provider``) come from the script's checkout
+In order: ``sys.argv`` becomes ``[SCRIPT, *ARGS]``; ``sys.path`` is arranged so that an
+installed megatron-core of the checkout's release series is imported (else the checkout's
+own ``megatron/core``) while ``megatron.training`` and the script's own modules
+(``gpt_builders``, ``model_provider``) come from the script's checkout
 (``runner_sys_path``); ``megatron_snake.megatron_lm.install()``; then the script runs. A
 refusal (``megatron_snake.errors.UserError``) is one line on one rank, with its exit status
 (2 for a wrong command line); ``SNAKE_DEBUG=1`` keeps the traceback.
@@ -16,7 +17,7 @@ import os
 import runpy
 import sys
 
-from megatron_snake import errors
+from megatron_snake import errors, releases
 
 PROG = "megatron_snake.megatron_lm"
 USAGE = f"usage: python -m {PROG} SCRIPT.py [SCRIPT ARGS...] (SCRIPT: e.g. Megatron-LM's pretrain_gpt.py)"
@@ -62,12 +63,15 @@ def _script(argv: list[str]) -> tuple[str, list[str]]:
 def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:
     """``sys.path`` for running a script of the checkout ``script_dir``.
 
-    ``python pretrain_gpt.py`` would put the checkout first, and the checkout's
-    ``megatron/core`` (no built dataset helpers; make needs pybind11) would shadow the
-    installed megatron-core: ``megatron/`` is a namespace package in both places and each
-    subpackage comes from the first directory that has it. So Megatron-LM checkouts go to
-    the END, the script's own last and once (``megatron.training``, ``megatron.legacy``,
-    ``gpt_builders`` and ``model_provider`` exist only there). ``-m`` puts the current
+    An installed megatron-core of the checkout's release series is imported when there is
+    one: ``python pretrain_gpt.py`` would put the checkout first, and the checkout's
+    ``megatron/core`` (no built dataset helpers; make needs pybind11) would shadow it:
+    ``megatron/`` is a namespace package in both places and each subpackage comes from the
+    first directory that has it. So Megatron-LM checkouts go to the END, the script's own
+    last and once (``megatron.training``, ``megatron.legacy``, ``gpt_builders`` and
+    ``model_provider`` exist only there). Where the installed megatron-core is of another
+    series, or there is none, the script's checkout goes FIRST instead: its own
+    ``megatron/core`` is the one that matches its training code. ``-m`` puts the current
     directory first: it is dropped when it is a checkout (launching from inside the
     checkout is the usual way). Other entries keep their order."""
     def same(entry: str, directory: str) -> bool:
@@ -78,7 +82,22 @@ def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:
         rest = rest[1:]
     rest = [entry for entry in rest if not same(entry, script_dir)]
     checkouts = [entry for entry in rest if _is_checkout(entry or cwd)]
-    return [entry for entry in rest if entry not in checkouts] + checkouts + [script_dir]
+    others = [entry for entry in rest if entry not in checkouts]
+    if _needs_own_core(others, script_dir, cwd):
+        return [script_dir] + others + checkouts
+    return others + checkouts + [script_dir]
+
+
+def _needs_own_core(path: list[str], script_dir: str, cwd: str) -> bool:
+    """Whether the megatron-core ``path`` would import is not of the release series of the
+    checkout ``script_dir`` (False for a script outside a checkout)."""
+    wanted = releases.series_of(releases.version_at(script_dir) or "")
+    if not wanted:
+        return False
+    for entry in path:
+        if os.path.isfile(os.path.join(entry or cwd, "megatron", "core", "__init__.py")):
+            return releases.series_of(releases.version_at(entry or cwd) or "") != wanted
+    return True
 
 
 def _is_checkout(directory: str) -> bool:
