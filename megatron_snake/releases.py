@@ -6,9 +6,10 @@ patches (``megatron_snake.compat``) and the own loop read what differs from here
 
 - ``WRAPPED``: the fragments of Megatron-LM's source that the plug-in's replacements rely on
   (``megatron_lm/version.py`` checks them), each with the releases it holds in;
-- ``CPU_SITES``: the fragments the CPU patches of Megatron-LM's training package stand in
-  for (``compat/megatron_lm_on_cpu.py``), each keyed by its patch letter; a patch is
-  applied in a release where it has a site;
+- ``CPU_SITES`` and ``CORE_CPU_SITES``: the fragments the CPU patches of Megatron-LM's
+  training package (``compat/megatron_lm_on_cpu.py``, lettered) and of megatron-core
+  (``compat/megatron_on_cpu.py``, numbered) stand in for; a patch is applied in a release
+  where it has a site;
 - ``Release.triton_at_import``: megatron-core modules that import triton at their top for
   kernels the snake never launches (loaded with a stand-in where triton is missing);
 - ``Release.needs_typing_override``: Megatron-LM code that imports ``typing.override``
@@ -259,6 +260,11 @@ CPU_SITES: tuple[CpuSite, ...] = (
             until("0.16")),
     CpuSite(_T, "get_model", "ddp_stream = torch.cuda.Stream()", "E"),
     CpuSite(_T, "get_model", "torch.cuda.current_stream().wait_stream(ddp_stream)", "E"),
+    # 0.19: pretrain_gpt.py's model comes from the config's builder, wrapped in DDP here
+    CpuSite("megatron.training.models.dist_utils", "_ddp_wrap", "ddp_stream = torch.cuda.Stream()",
+            "E", since("0.19")),
+    CpuSite("megatron.training.models.dist_utils", "_ddp_wrap",
+            "torch.cuda.current_stream().wait_stream(ddp_stream)", "E", since("0.19")),
     CpuSite("megatron.core.rerun_state_machine", "RerunStateMachine._save_state",
             '"cuda_rng_state": torch.cuda.get_rng_state(),', "F"),
     CpuSite("megatron.core.rerun_state_machine", "RerunStateMachine._restore_state",
@@ -276,6 +282,43 @@ CPU_SITES: tuple[CpuSite, ...] = (
     # 0.17 guards its triton import itself
     CpuSite(_I, "", f"from {BATCH_INVARIANT_KERNELS} import enable_batch_invariant_mode", "I", until("0.16")),
 )
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+# compat/megatron_on_cpu.py's patches of megatron-core (numbered as there)
+CORE_CPU_SITES: tuple[CpuSite, ...] = (
+    CpuSite(_RANDOM, "model_parallel_cuda_manual_seed",
+            "_CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME", "1"),
+    CpuSite(_RANDOM, "CudaRNGStatesTracker.add", "torch.cuda.get_rng_state()", "1"),
+    CpuSite(_RANDOM, "CudaRNGStatesTracker.fork", "_set_cuda_rng_state(self.states_[name]", "1"),
+    CpuSite(_RANDOM, "_get_all_rng_states", "_get_cuda_rng_state(", "1"),
+    CpuSite(_RANDOM, "_set_all_rng_states", "_set_cuda_rng_state(", "1"),
+    CpuSite(_RANDOM, "initialize_rng_tracker", "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:", "1"),
+    CpuSite("megatron.core.models.common.embeddings.rotary_pos_embedding",
+            "RotaryEmbedding.get_emb", "torch.cuda.current_device()", "2"),
+    CpuSite("megatron.core.utils", "GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device()", "2"),
+    CpuSite("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
+            "torch.cuda.synchronize()", "3"),
+    CpuSite("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+            'device="cuda"', "4"),
+    CpuSite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+            "param.type() == 'torch.cuda.FloatTensor'", "5"),
+    CpuSite("megatron.core.optimizer.distrib_optimizer",
+            "DistributedOptimizer._build_model_and_main_param_groups",
+            "model_param.type() == 'torch.cuda.FloatTensor'", "5"),
+    CpuSite("megatron.core.distributed.param_and_grad_buffer",
+            "_ParamAndGradBucketGroup.start_grad_sync",
+            "current_stream = torch.cuda.current_stream()", "6", since("0.19")),
+)
+
+
+def core_cpu_sites_for(series: str) -> tuple[CpuSite, ...]:
+    return tuple(s for s in CORE_CPU_SITES if series in s.releases)
+
+
+def core_cpu_patches_for(series: str) -> str:
+    return "".join(sorted({s.patch for s in core_cpu_sites_for(series)}))
 
 
 def wrapped_for(series: str) -> tuple[Wrapped, ...]:

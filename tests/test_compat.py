@@ -11,15 +11,17 @@ import torch
 from megatron_snake.compat import megatron_on_cpu
 
 
-def test_patched_sites_match_pinned_megatron_core():
+def test_patched_sites_match_the_installed_megatron_core():
     megatron_on_cpu.check_patched_sites()  # raises PatchedSiteMoved on any mismatch
 
 
 def test_moved_site_fails_loudly(monkeypatch):
-    site = megatron_on_cpu.PATCHED_SITES[0]
-    moved = dataclasses.replace(site, fragment="a line Megatron no longer has")
-    gone = dataclasses.replace(site, qualname="function_renamed_upstream")
-    monkeypatch.setattr(megatron_on_cpu, "PATCHED_SITES", (moved, gone))
+    from megatron_snake import releases
+
+    site = releases.CORE_CPU_SITES[0]
+    moved = site._replace(fragment="a line Megatron no longer has")
+    gone = site._replace(qualname="function_renamed_upstream")
+    monkeypatch.setattr(releases, "CORE_CPU_SITES", (moved, gone))
     with pytest.raises(megatron_on_cpu.PatchedSiteMoved) as exc:
         megatron_on_cpu.check_patched_sites()
     msg = str(exc.value)

@@ -292,19 +292,26 @@ def test_the_checkouts_own_megatron_core_when_the_installed_one_is_another_relea
 
 # --- the runner: command line and errors -----------------------------------------------------
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _run_module(args, cwd, **env):
+    """The runner of this repository (its root on PYTHONPATH) in a child."""
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SNAKE_DEBUG")}
     return subprocess.run([sys.executable, "-m", "megatron_snake.megatron_lm", *args], cwd=cwd,
-                          env={**environ, **env}, capture_output=True, text=True, timeout=120)
+                          env={**environ, "PYTHONPATH": ROOT, **env}, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("args, problem", [
     ([], "no SCRIPT given"),
     (["missing.py", "--lr", "1e-3"], "SCRIPT 'missing.py' does not exist"),
     (["notes.txt"], "SCRIPT must be a Python file (.py), got 'notes.txt'"),
+    (["d.py"], "SCRIPT 'd.py' is a directory, not a Python file"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, problem):
     (tmp_path / "notes.txt").write_text("not a script")
+    (tmp_path / "d.py").mkdir()
     result = _run_module(args, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
@@ -366,3 +373,30 @@ def test_a_user_error_in_the_script_is_one_line_with_its_status(tmp_path, in_pro
     monkeypatch.setenv("SNAKE_DEBUG", "1")
     with pytest.raises(UserError, match="does not exist"):
         in_process_runner([str(script)])
+
+
+@pytest.mark.parametrize("body", ["", "import sys\nsys.exit(0)\n"], ids=["empty", "exits_0"])
+def test_a_script_that_never_calls_pretrain_with_snake_offload_fails_in_one_line(
+        tmp_path, in_process_runner, capsys, body):
+    """An empty pretrain_gpt.py (or one that is not Megatron-LM's) with --snake-offload would
+    end with exit status 0 having trained and offloaded nothing."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(body)
+    assert in_process_runner([str(script), "--snake-offload"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("megatron_snake.megatron_lm: error: "
+                                                   "--snake-offload: pretrain_gpt.py ended "
+                                                   "without calling Megatron-LM's pretrain()"), err
+
+
+def test_without_snake_offload_or_with_pretrain_called_the_script_ends_as_it_does(
+        tmp_path, in_process_runner, capsys, monkeypatch):
+    import megatron_snake.megatron_lm.hooks as hooks
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    assert in_process_runner([str(script)]) == 0
+    assert in_process_runner([str(script), "--snake-offload", "--help"]) == 0
+    monkeypatch.setattr(hooks, "_pretrain_called", True)
+    assert in_process_runner([str(script), "--snake-offload"]) == 0
+    assert capsys.readouterr().err == ""

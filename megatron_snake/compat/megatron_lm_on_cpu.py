@@ -10,7 +10,8 @@ A. ``allow_no_cuda``: ``initialize_megatron`` asserts ``torch.cuda.is_available(
 B. ``distributed_init``: with ``torch.cuda.device_count() == 0`` Megatron-LM builds no
    model-parallel groups and seeds no model-parallel RNG.
 D. ``fused_kernels``: ``fused_kernels.load`` runs ``CUDA_HOME + "/bin/nvcc"`` (0.16 only).
-E. ``get_model_streams``: ``get_model`` wraps DDP in a ``torch.cuda.Stream``.
+E. ``get_model_streams``: ``get_model`` (0.19: also the builder's ``_ddp_wrap``) wraps DDP
+   in a ``torch.cuda.Stream``.
 F. ``cuda_rng_state``: the rerun state machine and checkpoints save and restore the CUDA
    generator.
 G. ``data_iterators_rng_neutral``: the data iterators are built after the checkpoint's RNG
@@ -108,9 +109,10 @@ def apply() -> bool:
             return True
         megatron_on_cpu.apply("cpu")
         # imports the training package (after patch I where needed)
-        patches = releases.cpu_patches_for(check_patched_sites().series)
+        series = check_patched_sites().series
+        patches = releases.cpu_patches_for(series)
         for letter, patch in (("A", _allow_no_cuda), ("B", _distributed_init),
-                              ("D", _fused_kernels), ("E", _get_model_streams),
+                              ("D", _fused_kernels), ("E", lambda: _get_model_streams(series)),
                               ("F", _cuda_rng_state), ("G", _data_iterators_rng_neutral),
                               ("H", _device_arch_version)):
             if letter in patches:
@@ -224,25 +226,27 @@ class _NoStream:
         pass
 
 
-def _get_model_streams() -> None:
-    """E. ``get_model`` builds the DDP wrappers on a side ``torch.cuda.Stream()`` and syncs it
-    with ``torch.cuda.current_stream()``; both raise on a CPU build (``torch.cuda.stream(s)``
-    is already a no-op there). Only for the duration of ``get_model``."""
-    import megatron.training.training as T
+def _get_model_streams(series: str) -> None:
+    """E. ``get_model`` (and from 0.19 the config builder's ``_ddp_wrap``) builds the DDP
+    wrappers on a side ``torch.cuda.Stream()`` and syncs it with
+    ``torch.cuda.current_stream()``; both raise on a CPU build (``torch.cuda.stream(s)`` is
+    already a no-op there). Only for the duration of each function with a site of E."""
+    for module_name, qualname in dict.fromkeys(
+            (s.module, s.qualname) for s in releases.cpu_sites_for(series) if s.patch == "E"):
+        module = importlib.import_module(module_name)
+        orig = getattr(module, qualname)
 
-    orig = T.get_model
+        @functools.wraps(orig)
+        def without_streams(*args, _orig=orig, **kwargs):
+            saved = torch.cuda.Stream, torch.cuda.current_stream
+            torch.cuda.Stream = _NoStream
+            torch.cuda.current_stream = lambda *a, **k: _NoStream()
+            try:
+                return _orig(*args, **kwargs)
+            finally:
+                torch.cuda.Stream, torch.cuda.current_stream = saved
 
-    @functools.wraps(orig)
-    def get_model(*args, **kwargs):
-        saved = torch.cuda.Stream, torch.cuda.current_stream
-        torch.cuda.Stream = _NoStream
-        torch.cuda.current_stream = lambda *a, **k: _NoStream()
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            torch.cuda.Stream, torch.cuda.current_stream = saved
-
-    T.get_model = get_model
+        setattr(module, qualname, without_streams)
 
 
 # --- F, G: random number generators -------------------------------------------------------

@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_snake.megatron_lm import install
 
         install()
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+        _check_the_plugin_ran(script, script_args)
     except errors.UserError as exc:
         if errors.debugging():
             raise
@@ -55,9 +60,25 @@ def _script(argv: list[str]) -> tuple[str, list[str]]:
     script = os.path.abspath(argv[0])
     if not script.endswith(".py"):
         raise UsageError(f"SCRIPT must be a Python file (.py), got {argv[0]!r}; {USAGE}")
+    if os.path.isdir(script):
+        raise UsageError(f"SCRIPT {argv[0]!r} is a directory, not a Python file; {USAGE}")
     if not os.path.isfile(script):
         raise UsageError(f"SCRIPT {argv[0]!r} does not exist; {USAGE}")
     return script, argv[1:]
+
+
+def _check_the_plugin_ran(script: str, script_args: list[str]) -> None:
+    """With --snake-offload, a script that ends (exit status 0) without reaching Megatron-LM's
+    pretrain() trained and offloaded nothing: that is said, and the run fails (unless the
+    flags asked for --help)."""
+    import megatron_snake.megatron_lm.hooks as hooks
+
+    asked_for_help = any(a in ("-h", "--help") for a in script_args)
+    if "--snake-offload" in script_args and not asked_for_help and not hooks.pretrain_called():
+        raise errors.UserError(
+            f"--snake-offload: {os.path.basename(script)} ended without calling Megatron-LM's "
+            "pretrain(): nothing was trained or offloaded, the plug-in was never used (run "
+            "Megatron-LM's pretrain_gpt.py, or a script that calls megatron.training.pretrain)")
 
 
 def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:

@@ -30,6 +30,12 @@ import os
 import sys
 
 _installed = False
+_pretrain_called = False
+
+
+def pretrain_called() -> bool:
+    """Whether Megatron-LM's pretrain() was entered since the plug-in was installed."""
+    return _pretrain_called
 
 
 def _snake(args) -> bool:
@@ -63,7 +69,9 @@ def install() -> None:
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
             return flags.add_args(parser)
-        return parse_args(provider, ignore_unknown_args)
+        args = parse_args(provider, ignore_unknown_args)
+        flags.check_parsed(args, os.path.basename(sys.argv[0]))
+        return args
 
     notes: list[str] = []
 
@@ -141,6 +149,8 @@ def install() -> None:
 
     @functools.wraps(pretrain)
     def pretrain_closing_the_run(*args, **kwargs):
+        global _pretrain_called
+        _pretrain_called = True
         with run.closing():
             return pretrain(*args, **kwargs)
 
