@@ -288,6 +288,9 @@ def test_the_checkouts_own_megatron_core_when_the_installed_one_is_another_relea
         os.rename(os.path.join(site, "megatron"), os.path.join(site, "not_megatron"))
     path = runner.runner_sys_path([ckpt, work, site], ckpt, cwd=ckpt)
     assert path == ([ckpt, work, site] if first else [work, site, ckpt])
+    # a script outside the checkout, which comes from PYTHONPATH
+    path = runner.runner_sys_path([work, ckpt, site], work, cwd=work)
+    assert path == ([ckpt, site, work] if first else [site, ckpt, work])
 
 
 # --- the runner: command line and errors -----------------------------------------------------

@@ -91,8 +91,9 @@ def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:
     first directory that has it. So Megatron-LM checkouts go to the END, the script's own
     last and once (``megatron.training``, ``megatron.legacy``, ``gpt_builders`` and
     ``model_provider`` exist only there). Where the installed megatron-core is of another
-    series, or there is none, the script's checkout goes FIRST instead: its own
-    ``megatron/core`` is the one that matches its training code. ``-m`` puts the current
+    series, or there is none, the script's checkout (for a script outside one: the first
+    checkout on the path) goes FIRST instead: its own ``megatron/core`` is the one that
+    matches its training code. ``-m`` puts the current
     directory first: it is dropped when it is a checkout (launching from inside the
     checkout is the usual way). Other entries keep their order."""
     def same(entry: str, directory: str) -> bool:
@@ -104,15 +105,19 @@ def runner_sys_path(path: list[str], script_dir: str, cwd: str) -> list[str]:
     rest = [entry for entry in rest if not same(entry, script_dir)]
     checkouts = [entry for entry in rest if _is_checkout(entry or cwd)]
     others = [entry for entry in rest if entry not in checkouts]
-    if _needs_own_core(others, script_dir, cwd):
-        return [script_dir] + others + checkouts
+    # the checkout megatron.training will come from: the script's, else the first listed
+    training = script_dir if _is_checkout(script_dir) else next(iter(checkouts), None)
+    if training is not None and _needs_own_core(others, training or cwd, cwd):
+        return ([script_dir] if training == script_dir else [training]) + others + \
+            [c for c in checkouts if c != training] + \
+            ([] if training == script_dir else [script_dir])
     return others + checkouts + [script_dir]
 
 
-def _needs_own_core(path: list[str], script_dir: str, cwd: str) -> bool:
-    """Whether the megatron-core ``path`` would import is not of the release series of the
-    checkout ``script_dir`` (False for a script outside a checkout)."""
-    wanted = releases.series_of(releases.version_at(script_dir) or "")
+def _needs_own_core(path: list[str], checkout: str, cwd: str) -> bool:
+    """Whether the megatron-core ``path`` would import is not of the release series of
+    ``checkout``."""
+    wanted = releases.series_of(releases.version_at(checkout) or "")
     if not wanted:
         return False
     for entry in path:

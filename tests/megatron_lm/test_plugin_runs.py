@@ -267,12 +267,21 @@ def test_a_custom_forward_step_reports_an_extra_value(runs):
         assert close(evaluations["plugin"][key], x2), f"evaluation {key}: lm loss x2"
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--snake-offload", "--recompute-granularity", "full"], "--recompute-granularity"),
-    (["--snake-offload", "--ckpt-format", "torch"], "--ckpt-format"),
-    (["--snake-alpha", "0.3"], "--snake-alpha"),
-], ids=["recompute_granularity", "ckpt_format_torch", "snake_alpha_without_offload"])
-def test_refusals(megatron_lm_dir, tmp_path, flags, named):
+@pytest.mark.parametrize("flags, named, series", [
+    (["--snake-offload", "--recompute-granularity", "full"], "--recompute-granularity", None),
+    (["--snake-offload", "--ckpt-format", "torch"], "--ckpt-format", None),
+    (["--snake-alpha", "0.3"], "--snake-alpha", None),
+    (["--snake-offload", "--check-for-large-grads"], "--check-for-large-grads", None),
+    # Megatron-LM's own checks of these are AssertionError tracebacks
+    (["--snake-offload", "--save", "ckpt"], "--save", None),
+    (["--snake-offload", "--ckpt-convert-format", "torch"], "--ckpt-convert-format", None),
+    (["--snake-offload", "--use-legacy-models"], "--use-legacy-models", ("0.16", "0.17")),
+], ids=["recompute_granularity", "ckpt_format_torch", "snake_alpha_without_offload",
+        "check_for_large_grads", "save_without_save_interval", "ckpt_convert_format",
+        "use_legacy_models"])
+def test_refusals(megatron_lm_dir, tmp_path, release, flags, named, series):
+    if series is not None and release.series not in series:
+        pytest.skip(f"{named} is not a flag of Megatron-LM {release.series}")
     result = refuse_pretrain_gpt(megatron_lm_dir, tmp_path, *FLAGS, *flags)
     assert result.returncode == 2, result.stderr[-4000:]
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
@@ -280,3 +289,18 @@ def test_refusals(megatron_lm_dir, tmp_path, flags, named):
     assert len(errors) == 1, result.stderr[-4000:]
     assert errors[0].startswith(f"pretrain_gpt.py: error: {named}: "), errors[0]
     assert not parse_log(result.stdout)[0], "it trained"
+
+
+@pytest.mark.parametrize("body", ["", "print('not Megatron-LM')\n"], ids=["empty", "another"])
+def test_a_script_that_never_calls_pretrain_says_the_plugin_was_not_used(megatron_lm_dir,
+                                                                          tmp_path, body):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(body)
+    run = launch_pretrain_gpt(megatron_lm_dir, tmp_path / "never.log", *FLAGS, "--snake-offload",
+                              script=script, pythonpath=megatron_lm_dir)
+    assert run.returncode == 1, run.output[-4000:]
+    errors = [line for line in run.output.splitlines() if "error" in line.lower()]
+    assert errors == ["megatron_snake.megatron_lm: error: --snake-offload: pretrain_gpt.py ended "
+                      "without calling Megatron-LM's pretrain(): nothing was trained or "
+                      "offloaded, the plug-in was never used (run Megatron-LM's pretrain_gpt.py, "
+                      "or a script that calls megatron.training.pretrain)"], run.output[-4000:]
