@@ -105,6 +105,31 @@ def version_at(root: Path) -> str | None:
         return "(unreadable)"
 
 
+def check_installed_megatron_core() -> Release:
+    """The release of the megatron-core ``import megatron.core`` will find (read, not
+    imported); a UserError (one line) where there is none, or another: what the own loop
+    (examples/pretrain_gpt.py) checks first."""
+    import importlib.util
+
+    from megatron_snake.errors import UserError
+
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        raise UserError(f"megatron-core is not installed: pip install "
+                        f"'{MEGATRON_CORE_REQUIREMENT}' (megatron_snake supports {SUPPORTED})")
+    where = Path(spec.origin).parent
+    found = version_at(where.parent.parent)
+    release = release_of(found or "")
+    if release is None:
+        raise UserError(f"megatron_snake supports megatron-core {SERIES[0]}.x to "
+                        f"{SERIES[-1]}.x ({SUPPORTED}); found megatron-core {found} at {where}: "
+                        f"pip install '{MEGATRON_CORE_REQUIREMENT}'")
+    return release
+
+
 def imported() -> Release:
     """The release of the imported megatron.core (one of RELEASES: the version checks have
     refused any other before it is asked)."""

@@ -166,3 +166,42 @@ def test_typing_override_is_provided_for_a_release_that_imports_it(tmp_path, mon
         return 1
 
     assert method() == 1
+
+
+@pytest.mark.parametrize("minor", [15, 20, None], ids=["0.15", "0.20", "none"])
+def test_the_own_loop_refuses_another_megatron_core_in_one_line(tmp_path, minor):
+    """examples/pretrain_gpt.py checks the megatron-core it would import before importing it
+    (another release may not import at all): one line naming what it found and the range."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    core = tmp_path / "site" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise SystemExit('the check must come before this')\n")
+    if minor is not None:
+        (core / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 2\n"
+                                              "PRE_RELEASE = ''\n")
+    else:   # no megatron-core at all: a directory that is not one
+        (core / "__init__.py").unlink()
+        core.rename(tmp_path / "site" / "megatron" / "not_core")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), root]))
+    if minor is None:   # hide the installed one too: only our site and the repository
+        env["PYTHONNOUSERSITE"] = "1"
+        code = ("import sys, runpy; sys.path[:] = [p for p in sys.path if 'site-packages' "
+                f"not in p]; sys.argv = ['pretrain_gpt.py']; runpy.run_path("
+                f"{os.path.join(root, 'examples', 'pretrain_gpt.py')!r}, run_name='__main__')")
+        command = [sys.executable, "-c", code]
+    else:
+        command = [sys.executable, os.path.join(root, "examples", "pretrain_gpt.py")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), proc.stderr
+    assert "megatron-core>=0.16.1,<0.20" in lines[0]
+    if minor is not None:
+        assert f"found megatron-core 0.{minor}.2 at {core}" in lines[0], lines[0]
+    else:
+        assert "megatron-core is not installed" in lines[0], lines[0]
