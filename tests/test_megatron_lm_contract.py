@@ -849,7 +849,6 @@ REFUSED_GIVEN = {
     "--save-activations-interval": {"save_activations_interval": 10},
     "--step-batch-size-schedule": {"step_batch_size_schedule": "0:4 1K:8"},
     "--verify-integrity": {"verify_integrity": True},
-    "--enable-msc": {"enable_msc": True},
     "--freeze-all-layers": {"freeze_all_layers": True},
     "--logits-save-dir": {"logits_save_dir": "/tmp/logits"},
     "--logits-load-dir": {"logits_load_dir": "/tmp/logits"},

@@ -12,10 +12,11 @@ refusal (``megatron_snake.errors.UserError``) is one line on one rank, with its 
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import os
-import runpy
 import sys
+import types
 
 from megatron_snake import errors, releases
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
         install()
         try:
-            runpy.run_path(script, run_name="__main__")
+            run_as_main(script)
         except SystemExit as exc:
             if exc.code not in (0, None):
                 raise
@@ -65,6 +66,25 @@ def _script(argv: list[str]) -> tuple[str, list[str]]:
     if not os.path.isfile(script):
         raise UsageError(f"SCRIPT {argv[0]!r} does not exist; {USAGE}")
     return script, argv[1:]
+
+
+def run_as_main(script: str) -> None:
+    """``runpy.run_path(script, run_name="__main__")``, but with ``__spec__`` naming
+    ``megatron_snake.megatron_lm.child``: what a process the run spawns imports as its main
+    module instead of the script (child.py says why). A function the script defines is not
+    found in such a process by name (``__main__.f``); megatron-core sends it none."""
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec")
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script, __builtins__=builtins, __loader__=None,
+                         __package__=None, __cached__=None,
+                         __spec__=importlib.util.find_spec("megatron_snake.megatron_lm.child"))
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _check_the_plugin_ran(script: str, script_args: list[str]) -> None:

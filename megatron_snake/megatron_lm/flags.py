@@ -141,8 +141,6 @@ REFUSED = (
             "--global-batch-size"),
     Refused("--verify-integrity", _on("verify_integrity"), "the plug-in writes and reads "
             "torch_dist checkpoints unit by unit, without Megatron-LM's hash manifest"),
-    Refused("--enable-msc", _on("enable_msc"), "the plug-in writes and reads checkpoints "
-            "unit by unit on a file system, not through the Multi-Storage Client"),
     # Megatron-LM 0.19's
     Refused("--freeze-all-layers", _on("freeze_all_layers"), "the offloaded AdamW updates "
             "every parameter"),

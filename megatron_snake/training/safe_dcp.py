@@ -78,15 +78,19 @@ _METADATA_GLOBALS = frozenset(
 
 
 def _flag_enums() -> tuple:
-    """The enum classes Megatron-LM's flags hold (``--exit-signal``'s signal, the model
-    type, the attention backend, ...): every enum of megatron.core's two enum modules.
+    """The enum classes Megatron-LM's flags and common state hold (``--exit-signal``'s
+    signal, the model type, the attention backend, the rerun mode, ...): every enum of
+    megatron.core's two enum modules and of its rerun state machine.
     Unpickling one calls the class with a member's value, which looks the member up and
     runs nothing else."""
     from megatron.core import enums as core_enums
+    from megatron.core import rerun_state_machine
     from megatron.core.transformer import enums as transformer_enums
 
     found = [signal.Signals]
-    for module in (core_enums, transformer_enums):
+    # (the rerun state machine's mode and state: in the common state megatron-core 0.17+
+    # saves in the DCP files)
+    for module in (core_enums, transformer_enums, rerun_state_machine):
         found += [value for value in vars(module).values()
                   if isinstance(value, type) and issubclass(value, enum.Enum)
                   and value.__module__ == module.__name__]
