@@ -938,11 +938,18 @@ def test_a_snake_flag_the_plugin_does_not_run_is_refused(capsys, flag):
     assert err.startswith(f"pretrain_gpt.py: error: {flag}: is not available"), err
 
 
+def _transformer_engine_usable() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return torch.cuda.is_available() and bool(getattr(transformer_engine, "HAVE_TE", False))
+
+
 OTHER_REFUSALS = [   # by check_args' own rules, not the table
     ("--sequence-parallel", {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     pytest.param("--transformer-impl", {"transformer_impl": "transformer_engine"},
-                 marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                          reason="refused on a machine without a GPU")),
+                 marks=pytest.mark.skipif(_transformer_engine_usable(),
+                                          reason="refused without a GPU or without Transformer "
+                                                 "Engine")),
 ]
 
 
@@ -950,7 +957,8 @@ OTHER_REFUSALS = [   # by check_args' own rules, not the table
                          else "-".join(v))
 def test_other_refusals_name_the_flag(capsys, flag, given):
     """Megatron-LM's ``validate_args`` with ``--sequence-parallel`` (TP 2), or with its
-    default ``--transformer-impl transformer_engine`` on a machine without a GPU."""
+    default ``--transformer-impl transformer_engine`` on a machine without a GPU or without
+    Transformer Engine (megatron-core would build the TE spec, and fail inside the build)."""
     args = mlm_args(checked=False)
     for name, value in given.items():
         setattr(args, name, value)
@@ -1013,3 +1021,18 @@ def test_without_a_run_the_log_line_is_unchanged():
     assert snake_log.with_snake_suffix(line, tensorboard_writer=tensorboard,
                                        wandb_writer=None) == line
     assert tensorboard.scalars == []
+
+
+def test_transformer_engine_is_refused_on_a_gpu_without_it(capsys, monkeypatch):
+    """A GPU without Transformer Engine (the lent H200s): one line, not megatron-core's
+    ImportError from inside the model's build."""
+    from megatron.core.extensions import transformer_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformer_engine, "HAVE_TE", False)
+    args = mlm_args(checked=False)
+    args.transformer_impl = "transformer_engine"
+    err = _check(capsys, args)
+    assert err.startswith("pretrain_gpt.py: error: --transformer-impl: transformer_engine "
+                          "(Megatron-LM's default) needs a GPU and Transformer Engine"), err
+    assert "pass --transformer-impl local" in err

@@ -223,13 +223,10 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
                      "fp32, as with --accumulate-allreduce-grads-in-fp32 (not in fp16 "
                      "buffers), so the loss scale may overflow, and iterations be skipped, "
                      "later than in a plain run")
-    if args.transformer_impl == "transformer_engine":
-        import torch
-
-        if not torch.cuda.is_available():
-            fail(parser, "--transformer-impl", "transformer_engine (Megatron-LM's default) "
-                 "needs a GPU and Transformer Engine; pass --transformer-impl local on a "
-                 "machine without one")
+    if args.transformer_impl == "transformer_engine" and not _transformer_engine_usable():
+        fail(parser, "--transformer-impl", "transformer_engine (Megatron-LM's default) needs a "
+             "GPU and Transformer Engine, which this machine lacks; pass --transformer-impl "
+             "local (the layer spec of Megatron-Core's own modules)")
     if _get(args, "use_precision_aware_optimizer"):
         # Megatron-LM's flags, read by the offloaded AdamW (optim/precision.py) instead of
         # Transformer Engine's FusedAdam: the same rules, the dtypes Megatron-LM mapped
@@ -241,6 +238,16 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
     refuse_flags_snake_auto_chooses(args, parser, argv)
     validate_snake_args(args, parser)
     return notes
+
+
+def _transformer_engine_usable() -> bool:
+    """A GPU, and Transformer Engine as megatron-core imported it (without it megatron-core
+    builds the TE layer spec anyway, and its first layer raises in the middle of the
+    model's build)."""
+    import torch
+    from megatron.core.extensions import transformer_engine
+
+    return torch.cuda.is_available() and bool(getattr(transformer_engine, "HAVE_TE", False))
 
 
 def _derive(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_snake import releases
 from megatron_snake.megatron_lm.version import SUPPORTED, checkout_version
@@ -36,15 +37,16 @@ ENV = "MEGATRON_LM_DIR"
 RUN_TIMEOUT_S = 600
 ROOT = Path(__file__).resolve().parents[2]   # the megatron_snake the runs import
 
-# A tiny GPT that trains on the CPU in seconds; the last four flags are what the CPU needs.
+# A tiny GPT that trains on the CPU in seconds; the last four flags are what the CPU needs
+# (on a GPU without Transformer Engine or Apex the last three too; NCCL there).
 TINY_FLAGS = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3",
     "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion",
+    "--distributed-backend", "nccl" if torch.cuda.is_available() else "gloo",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
 ]
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|(.*)")
