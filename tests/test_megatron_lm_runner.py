@@ -173,6 +173,8 @@ def test_the_releases_table():
     assert tuple(r.tag for r in releases.RELEASES) == SUPPORTED_TAGS
     assert releases.SERIES == ("0.16", "0.17", "0.18", "0.19")
     assert releases.MEGATRON_CORE_REQUIREMENT == "megatron-core>=0.16.1,<0.20"
+    with open(os.path.join(ROOT, "setup.py")) as f:   # what pip resolves: the same range
+        assert f'"{releases.MEGATRON_CORE_REQUIREMENT}",' in f.read()
     for table in (releases.WRAPPED, releases.CPU_SITES):
         assert len(set(table)) == len(table)
         for site in table:
