@@ -69,10 +69,13 @@
 #
 # On a machine without internet (the lent GPU machines have Python 3.12 and a CUDA build
 # of torch, but no megatron-core, liburing or fio), first run, where there is internet:
-#     bash tools/gpu_carry.sh          # fills .gpu/ (git-ignored, about 14 MiB)
+#     MEGATRON_LM_DIR=/path/to/Megatron-LM@core_v0.19.0 bash tools/gpu_carry.sh
+#                                      # fills .gpu/ (git-ignored, about 28 MiB)
 # and bring .gpu/ along with the checkout. It holds the megatron-core 0.16.1 wheel (and
 # kvikio's, for GDS), the native I/O engine built for Python 3.12 with liburing linked
-# statically, a static fio (the drive's reference for bench_io) and DeepSpeed's sources.
+# statically, a static fio (the drive's reference for bench_io), DeepSpeed's sources, and
+# for the part plugin the megatron-core 0.19.2 wheel and Megatron-LM core_v0.19.0's
+# training code (.gpu/plugin/).
 # This script installs them into /tmp/snake_site (nothing outside /tmp changes) and never
 # downloads anything.
 set -uo pipefail
