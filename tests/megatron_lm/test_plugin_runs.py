@@ -189,8 +189,9 @@ def test_the_plugin_continues_a_plain_checkpoint(runs):
 def test_checkpoints_both_ways_across_a_tensor_parallel_change(runs):
     """The one-rank checkpoints resharded at load into TP 2 (torch_dist): the plug-in goes on
     from the plain one, and plain Megatron-LM from the plug-in's, to the numbers Megatron-LM
-    prints going on from its own at TP 2; all stay near the one-rank resume (a TP 2 sum is
-    added in another order)."""
+    prints going on from its own at TP 2. (Those are not always near its one-rank resume:
+    Megatron-LM 0.18's TP 2 resume of this checkpoint printed 5.08 at iteration 6 against
+    4.39 at one rank; 0.16's and 0.17's stayed within 1e-3.)"""
     runs.plain().check()
     runs.plugin().check()
     tp2 = ["--tensor-model-parallel-size", "2"]
@@ -199,9 +200,6 @@ def test_checkpoints_both_ways_across_a_tensor_parallel_change(runs):
     plain = resumed(runs, "plain_tp2_from_plugin", "plugin", *tp2, nproc=2)
     for run in (plugin, plain):
         assert_same_numbers(run, reference, iterations=range(6, 11), evaluations=LATER)
-    one_rank = megatron_lms_own_resume(runs)
-    for i in (6, 8, 9, 10):
-        assert math.isclose(reference.losses[i], one_rank.losses[i], rel_tol=1e-3), i
 
 
 # pretrain_gpt.py's forward step wrapped so that its loss function reports one more value,
