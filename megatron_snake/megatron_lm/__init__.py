@@ -114,7 +114,7 @@ def _skip_dataset_helpers_make() -> None:
         return  # nothing built either: keep Megatron-LM's own failure
     orig = U.compile_helpers
 
-    @functools.wraps(orig)  # version.WRAPPED checks its source
+    @functools.wraps(orig)  # releases.WRAPPED checks its source
     def compile_helpers():
         return None
 

@@ -2,7 +2,7 @@
 
 Each replacement is a module attribute Megatron-LM looks up when it calls it (the names
 ``megatron.training.training`` and ``megatron.training.initialize`` imported), checked by a
-fragment of its caller's source in ``version.WRAPPED``:
+fragment of its caller's source in ``releases.WRAPPED`` (per release):
 
 - ``parse_args``: the --snake-* flags join the user's ``extra_args_provider``;
   ``validate_args``: after Megatron-LM's own checks, ``flags.check_args``. Both in
