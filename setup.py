@@ -64,7 +64,9 @@ setup(
     package_data={"megatron_snake.planner": ["profiles/*.json"]},
     python_requires=">=3.10",
     install_requires=[
-        "megatron-core==0.16.1",
+        # the releases megatron_snake/releases.py lists, each tested (docs/megatron_lm.md);
+        # a range, so that pip keeps the megatron-core a user has
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "packaging",
     ],

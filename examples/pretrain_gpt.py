@@ -17,7 +17,14 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
+from megatron_snake import releases  # noqa: E402
 from megatron_snake.errors import UserError, debugging, report  # noqa: E402
+
+try:   # before anything of megatron-core is imported: another release may not import at all
+    releases.check_installed_megatron_core()
+except UserError as exc:
+    sys.exit(report(exc, prog="pretrain_gpt.py"))
+
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.distributed import shutdown  # noqa: E402
 from megatron_snake.training.loop import pretrain  # noqa: E402

@@ -8,3 +8,11 @@ def vertical_forward_backward(*args, **kwargs):
     from megatron_snake.schedule.vertical import vertical_forward_backward as _impl
 
     return _impl(*args, **kwargs)
+
+
+# Before any `import megatron` of this project: a newer megatron-core's triton-only kernels
+# and typing.override where this machine lacks them (compat/megatron_import.py; imports
+# nothing of megatron or torch)
+from megatron_snake.compat import megatron_import as _megatron_import  # noqa: E402
+
+_megatron_import.prepare()

@@ -23,6 +23,7 @@ STEP_BOXES_S = 480           # the steps' boxes of one part together
 # the parts in order of value, and their steps, the most valuable first
 EXPECTED = {
     "headline": ["headline", "headline_trace", "optimizer_threads"],
+    "plugin": ["plugin_exact", "plugin_bench"],
     "suite": ["gpu_tests", "demo", "bench_schedule", "bench_zenflow"],
     "zero": ["zero_install", "zero_ops", "zero_m16", "zero_m4_1"],
     "io": ["bench_io", "act_host", "gds_reason", "act_nvme"],

@@ -840,6 +840,20 @@ REFUSED_GIVEN = {
         {"check_weight_hash_across_dp_replicas_interval": 10},
     "--save-wgrads-interval": {"save_wgrads_interval": 10},
     "--data-parallel-random-init": {"data_parallel_random_init": True},
+    "--check-for-large-grads": {"check_for_large_grads": True},
+    "--optimizer-cuda-graph": {"optimizer_cuda_graph": True},
+    "--use-mup": {"use_mup": True},
+    "--ddp-param-name-patterns-for-fp32-local-accumulation":
+        {"ddp_param_name_patterns_for_fp32_local_accumulation": ["*.bias"]},
+    "--save-params-interval": {"save_params_interval": 10},
+    "--save-activations-interval": {"save_activations_interval": 10},
+    "--step-batch-size-schedule": {"step_batch_size_schedule": "0:4 1K:8"},
+    "--verify-integrity": {"verify_integrity": True},
+    "--freeze-all-layers": {"freeze_all_layers": True},
+    "--logits-save-dir": {"logits_save_dir": "/tmp/logits"},
+    "--logits-load-dir": {"logits_load_dir": "/tmp/logits"},
+    "--override-ckpt-iteration": {"override_ckpt_iteration": 7},
+    "--tensor-parallel-num-weight-shards": {"gtp_weight_remat_size": 2},
 }
 # Other Megatron-LM spellings of the same refusal.
 REFUSED_ALSO = [
@@ -924,11 +938,18 @@ def test_a_snake_flag_the_plugin_does_not_run_is_refused(capsys, flag):
     assert err.startswith(f"pretrain_gpt.py: error: {flag}: is not available"), err
 
 
+def _transformer_engine_usable() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return torch.cuda.is_available() and bool(getattr(transformer_engine, "HAVE_TE", False))
+
+
 OTHER_REFUSALS = [   # by check_args' own rules, not the table
     ("--sequence-parallel", {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     pytest.param("--transformer-impl", {"transformer_impl": "transformer_engine"},
-                 marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                          reason="refused on a machine without a GPU")),
+                 marks=pytest.mark.skipif(_transformer_engine_usable(),
+                                          reason="refused without a GPU or without Transformer "
+                                                 "Engine")),
 ]
 
 
@@ -936,11 +957,47 @@ OTHER_REFUSALS = [   # by check_args' own rules, not the table
                          else "-".join(v))
 def test_other_refusals_name_the_flag(capsys, flag, given):
     """Megatron-LM's ``validate_args`` with ``--sequence-parallel`` (TP 2), or with its
-    default ``--transformer-impl transformer_engine`` on a machine without a GPU."""
+    default ``--transformer-impl transformer_engine`` on a machine without a GPU or without
+    Transformer Engine (megatron-core would build the TE spec, and fail inside the build)."""
     args = mlm_args(checked=False)
     for name, value in given.items():
         setattr(args, name, value)
     assert _check(capsys, args).startswith(f"pretrain_gpt.py: error: {flag}: ")
+
+
+# Megatron-LM's parse_args (hooks.py adds flags.check_parsed): what its own later checks
+# would refuse with an AssertionError traceback, said in one line first with --snake-offload.
+BEFORE_MEGATRON_LM = [
+    ("--save", {"save": "/tmp/ckpt", "save_interval": None}),
+    ("--save", {"save": "/tmp/ckpt", "save_interval": 0}),
+    ("--use-legacy-models", {"use_legacy_models": True}),
+    ("--ckpt-convert-format", {"ckpt_convert_format": "torch"}),
+]
+
+
+@pytest.mark.parametrize("flag,given", BEFORE_MEGATRON_LM, ids=lambda v: v if isinstance(v, str)
+                         else "-".join(f"{k}={w}" for k, w in v.items()))
+def test_what_megatron_lm_asserts_later_is_one_line_first(capsys, flag, given):
+    args = mlm_args(checked=False)
+    for name, value in given.items():
+        setattr(args, name, value)
+    with pytest.raises(SystemExit) as exc:
+        flags.check_parsed(args, "pretrain_gpt.py")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pretrain_gpt.py: error: {flag}: "), err
+
+
+def test_without_snake_offload_megatron_lm_checks_its_own_flags():
+    args = mlm_args(argv=[f for f in FLAGS if f != "--snake-offload"], checked=False)
+    args.save, args.save_interval, args.ckpt_convert_format = "/tmp/ckpt", None, "torch"
+    flags.check_parsed(args, "pretrain_gpt.py")   # nothing said: Megatron-LM's own check
+
+
+def test_a_save_with_its_interval_passes():
+    args = mlm_args(checked=False)
+    args.save, args.save_interval = "/tmp/ckpt", 5
+    flags.check_parsed(args, "pretrain_gpt.py")
 
 
 def test_fp16_gradients_accumulate_in_fp32_with_a_note():
@@ -964,3 +1021,18 @@ def test_without_a_run_the_log_line_is_unchanged():
     assert snake_log.with_snake_suffix(line, tensorboard_writer=tensorboard,
                                        wandb_writer=None) == line
     assert tensorboard.scalars == []
+
+
+def test_transformer_engine_is_refused_on_a_gpu_without_it(capsys, monkeypatch):
+    """A GPU without Transformer Engine (the lent H200s): one line, not megatron-core's
+    ImportError from inside the model's build."""
+    from megatron.core.extensions import transformer_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformer_engine, "HAVE_TE", False)
+    args = mlm_args(checked=False)
+    args.transformer_impl = "transformer_engine"
+    err = _check(capsys, args)
+    assert err.startswith("pretrain_gpt.py: error: --transformer-impl: transformer_engine "
+                          "(Megatron-LM's default) needs a GPU and Transformer Engine"), err
+    assert "pass --transformer-impl local" in err

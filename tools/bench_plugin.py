@@ -28,8 +28,10 @@ time, the losses, the commands) go to ``--json-out``, the times are printed as J
 is **tokens/s plugin / own loop** (goal: >= 0.98).
 
 The children use ``--python`` (default: this interpreter), which must import megatron_snake
-and megatron-core 0.16 (and psutil and triton where Megatron-LM needs them: see
-docs/megatron_lm.md), with ``--threads`` torch threads each (``OMP_NUM_THREADS``).
+and a megatron-core of the checkout's release (docs/megatron_lm.md), with ``--threads`` torch
+threads each (``OMP_NUM_THREADS``). ``--device cuda`` (the default where there is a GPU)
+trains both on the GPU, the plug-in's run over NCCL; ``--flags '--bf16'`` trains both in
+bf16.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm-dir", default=os.environ.get("MEGATRON_LM_DIR"),
-                   help="a Megatron-LM checkout at tag core_v0.16.1 (default: $MEGATRON_LM_DIR)")
+                   help="a Megatron-LM checkout of a supported release, core_v0.16.1 to "
+                        "core_v0.19.0 (default: $MEGATRON_LM_DIR)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where both train (default: cuda where torch has it, else cpu)")
     p.add_argument("--python", default=sys.executable, help="the children's interpreter")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -102,15 +107,16 @@ def command(a, system: str, offload_dir: str) -> list[str]:
     if system == "plugin":
         return [a.python, "-m", "megatron_snake.megatron_lm",
                 os.path.join(a.megatron_lm_dir, "pretrain_gpt.py"), *common_flags(a, offload_dir),
-                # what a machine without a GPU needs (docs/megatron_lm.md); harmless on one
-                "--distributed-backend", "gloo", "--no-persist-layer-norm",
-                "--no-gradient-accumulation-fusion",
+                # what a machine without a GPU needs (docs/megatron_lm.md); without
+                # Transformer Engine or Apex a GPU needs the last two as well
+                "--distributed-backend", "nccl" if a.device == "cuda" else "gloo",
+                "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
                 # examples/pretrain_gpt.py's model has no fused kernels (training/model.py)
                 *([] if a.plugin_fusions else ["--no-bias-gelu-fusion",
                                                "--no-bias-dropout-fusion",
                                                "--no-masked-softmax-fusion"])]
     return [a.python, os.path.join(ROOT, "examples", "pretrain_gpt.py"),
-            *common_flags(a, offload_dir), "--device", "cpu"]
+            *common_flags(a, offload_dir), "--device", a.device]
 
 
 def _free_port() -> int:
@@ -156,10 +162,14 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if not a.megatron_lm_dir:
         sys.exit("bench_plugin.py: set MEGATRON_LM_DIR (or --megatron-lm-dir) to a Megatron-LM "
-                 "checkout at tag core_v0.16.1")
+                 "checkout, core_v0.16.1 to core_v0.19.0")
     if not os.path.isfile(os.path.join(a.megatron_lm_dir, "pretrain_gpt.py")):
         sys.exit(f"bench_plugin.py: no pretrain_gpt.py in {a.megatron_lm_dir} (MEGATRON_LM_DIR "
-                 "must be a Megatron-LM checkout at tag core_v0.16.1)")
+                 "must be a Megatron-LM checkout, core_v0.16.1 to core_v0.19.0)")
+    if a.device is None:
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (0 <= a.warmup < a.iters) or a.rounds < 1:
         sys.exit("bench_plugin.py: need 0 <= --warmup < --iters and --rounds >= 1")
     made = []
@@ -168,7 +178,7 @@ def main(argv=None) -> int:
     made += [d for d, given in ((offload_dir, a.dir), (log_dir, a.log_dir)) if not given]
     os.makedirs(offload_dir, exist_ok=True)
     os.makedirs(log_dir, exist_ok=True)
-    report = {"machine": {"cpus": os.cpu_count(), "dir": offload_dir},
+    report = {"machine": {"cpus": os.cpu_count(), "dir": offload_dir, "device": a.device},
               "args": {k: v for k, v in vars(a).items()},
               "tokens_per_iteration": a.global_batch * a.seq, "runs": [], "summary": None}
     try:

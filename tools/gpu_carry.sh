@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, on a machine WITH internet, what tools/gpu_check.sh needs on a GPU machine WITHOUT
-# it, into .gpu/ (git-ignored; about 14 MiB, carried to the GPU machine beside the
+# it, into .gpu/ (git-ignored; about 29 MiB, carried to the GPU machine beside the
 # checkout: name .gpu in the device tool's carry; about 2 minutes here, 3.5 with fio):
 #
 #   .gpu/wheels/   megatron-core 0.16.1 for the GPU machine's Python (3.12 by default), and
@@ -16,8 +16,15 @@
 #                  deepspeed 0.19.8 source distribution, the wheels of its dependencies the
 #                  GPU image lacks (hjson, pydantic and pydantic's own), and libaio's Debian
 #                  packages (its async_io op compiles against them there)
+#   .gpu/plugin/   for the Megatron-LM plug-in (gpu_check.sh's part "plugin"): the
+#                  megatron-core 0.19.2 wheel (wheels/, installed apart from the 0.16.1 the
+#                  other parts use) and Megatron-LM's training code at core_v0.19.0
+#                  (megatron-lm/: megatron/ and the entry scripts, about 12 MiB), copied from
+#                  the checkout MEGATRON_LM_DIR names (nothing of it is downloaded here; the
+#                  part is skipped with a warning without it)
 #
-# Usage: bash tools/gpu_carry.sh [PYTHON_FOR_THE_GPU_MACHINE]   (default: python3.12)
+# Usage: [MEGATRON_LM_DIR=/path/to/Megatron-LM@core_v0.19.0] bash tools/gpu_carry.sh [PYTHON_FOR_THE_GPU_MACHINE]
+#        (default: python3.12)
 # Needs: pip with access to PyPI, gcc, liburing.a (Debian: liburing-dev), and a local Python
 # of the same minor version as the GPU machine's (its headers build the engine); for fio,
 # curl to deb.debian.org, make, and static zlib and libaio (zlib1g-dev, libaio-dev).
@@ -31,7 +38,7 @@ PYVER=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
-mkdir -p .gpu/wheels .gpu/native .gpu/bin .gpu/deepspeed
+mkdir -p .gpu/wheels .gpu/native .gpu/bin .gpu/deepspeed .gpu/plugin/wheels
 
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
@@ -39,6 +46,29 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
     --implementation cp "${platforms[@]}" -d .gpu/wheels \
     megatron-core==0.16.1 kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
+
+# the plug-in's part: megatron-core 0.19.2 (the newest release the plug-in supports) apart,
+# and the Megatron-LM checkout's training code at the matching tag
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
+    --implementation cp "${platforms[@]}" -d .gpu/plugin/wheels megatron-core==0.19.2
+copy_megatron_lm() {
+    local src=${MEGATRON_LM_DIR:-} found
+    [ -n "$src" ] && [ -f "$src/pretrain_gpt.py" ] || {
+        echo "gpu_carry.sh: WARNING: MEGATRON_LM_DIR is not a Megatron-LM checkout: no" \
+             ".gpu/plugin/megatron-lm (gpu_check.sh's part plugin needs core_v0.19.0's)" >&2
+        return 0; }
+    found=$(python3 -c "import sys; sys.path.insert(0, '.'); from megatron_snake import releases; \
+print(releases.series_of(releases.version_at(sys.argv[1]) or ''))" "$src")
+    [ "$found" = 0.19 ] || {
+        echo "gpu_carry.sh: WARNING: $src is Megatron-LM $found, not core_v0.19.0: not copied" >&2
+        return 0; }
+    rm -rf .gpu/plugin/megatron-lm && mkdir -p .gpu/plugin/megatron-lm
+    cp -r "$src/megatron" .gpu/plugin/megatron-lm/
+    cp "$src"/*.py .gpu/plugin/megatron-lm/
+    find .gpu/plugin/megatron-lm -name __pycache__ -prune -exec rm -rf {} +
+    echo "Megatron-LM $found from $src: $(du -sh .gpu/plugin/megatron-lm | cut -f1)"
+}
+copy_megatron_lm
 
 # DeepSpeed ships only a source distribution; the image has its other dependencies (einops,
 # msgpack, ninja, packaging, psutil, py-cpuinfo, tqdm: device README's package list)
@@ -84,5 +114,5 @@ fi
 # the part `gpu_check.sh OUT next` runs there (the GPU machine gets no .git)
 python3 tools/gpu_next_part.py > .gpu/next_part
 echo "next part: $(cat .gpu/next_part)"
-ls -la .gpu/wheels .gpu/native .gpu/bin .gpu/deepspeed
+ls -la .gpu/wheels .gpu/native .gpu/bin .gpu/deepspeed .gpu/plugin/wheels
 du -sh .gpu

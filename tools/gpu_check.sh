@@ -8,6 +8,10 @@
 #   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 10x the memory given) vs
 #                                            # Megatron with and without full recompute;
 #                                            # the trace of one steady step
+#   bash tools/gpu_check.sh OUTDIR plugin    # Megatron-LM's pretrain_gpt.py with the plug-in on
+#                                            # megatron-core 0.19: equal to plain Megatron-LM
+#                                            # in fp32, checkpoints both ways; bf16 tokens/s
+#                                            # against the own loop
 #   bash tools/gpu_check.sh OUTDIR suite     # tests/gpu, the demo, bench_schedule, ZenFlow
 #   bash tools/gpu_check.sh OUTDIR zero      # side by side with ZeRO-Infinity (M 16, then
 #                                            # M 4 and 1), its ops built in the same command
@@ -48,6 +52,11 @@
 #   headline_trace (115)   imports, a build, a warm-up and the recorded step, the export and
 #                          the analysis: 55 s on an H200 at M 3 (the NVMe-bound 1B step's 110 s)
 #   optimizer_threads (35) imports, 6 trials of 1.5 s and their buffers: 20-25 s
+#   plugin_exact (250)     6 runs of pretrain_gpt.py (10 iterations of a tiny GPT), 15-20 s
+#                          of imports and 10-15 s of start-up each: 150-200 s (CPU: 2 runs
+#                          in 80-90 s)
+#   plugin_bench (170)     2 rounds of 2 runs (4 layers, hidden 2048, 10 iterations in bf16):
+#                          imports and build 25 s, then 1-2 s a step: 120-150 s
 #   gpu_tests (240)        70-90 s; demo (60) 20 s; bench_schedule (110) 2 cases x 3
 #                          variants x 5 steps of about 2 s: 80 s; bench_zenflow (60) 30 s
 #   zero_install (75)      15 s (its sdist takes 7 s of CPU); zero_ops (150) 60-90 s, both
@@ -60,16 +69,19 @@
 #
 # On a machine without internet (the lent GPU machines have Python 3.12 and a CUDA build
 # of torch, but no megatron-core, liburing or fio), first run, where there is internet:
-#     bash tools/gpu_carry.sh          # fills .gpu/ (git-ignored, about 14 MiB)
+#     MEGATRON_LM_DIR=/path/to/Megatron-LM@core_v0.19.0 bash tools/gpu_carry.sh
+#                                      # fills .gpu/ (git-ignored, about 28 MiB)
 # and bring .gpu/ along with the checkout. It holds the megatron-core 0.16.1 wheel (and
 # kvikio's, for GDS), the native I/O engine built for Python 3.12 with liburing linked
-# statically, a static fio (the drive's reference for bench_io) and DeepSpeed's sources.
+# statically, a static fio (the drive's reference for bench_io), DeepSpeed's sources, and
+# for the part plugin the megatron-core 0.19.2 wheel and Megatron-LM core_v0.19.0's
+# training code (.gpu/plugin/).
 # This script installs them into /tmp/snake_site (nothing outside /tmp changes) and never
 # downloads anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PARTS="headline suite zero io plan"
-USAGE="usage: tools/gpu_check.sh OUTDIR headline|suite|zero|io|plan|next|setup|all"
+PARTS="headline plugin suite zero io plan"
+USAGE="usage: tools/gpu_check.sh OUTDIR headline|plugin|suite|zero|io|plan|next|setup|all"
 OUTDIR=${1:?$USAGE}
 PART=${2:?$USAGE}
 if [ "$PART" = next ]; then
@@ -85,7 +97,7 @@ if [ "$PART" = next ]; then
     echo "=== next: $PART"
 fi
 case "$PART" in
-    setup|headline|suite|zero|io|plan|all) ;;
+    setup|headline|plugin|suite|zero|io|plan|all) ;;
     bench) echo "gpu_check.sh: the part bench is now headline (bench_headline.py, the trace)"\
                 "and io (bench_io, bench_activations, GDS); bench_schedule and bench_zenflow"\
                 "are in suite" >&2; exit 2 ;;
@@ -206,6 +218,48 @@ part_headline() {
     # update's rate, an update on every core against the default budget (half of them)
     step optimizer_threads 35 "$PY" tools/bench_optimizer_threads.py --rounds 3 \
         --seconds 1.5 --json-out "$OUTDIR/optimizer_threads.json" $(dry --numel 1048576)
+}
+
+# --- plugin: Megatron-LM's pretrain_gpt.py with the plug-in, on megatron-core 0.19 ---------
+# megatron-core 0.19.2 from .gpu/plugin/wheels into its own directory, first on PYTHONPATH
+# for this part alone (the other parts keep 0.16.1); Megatron-LM core_v0.19.0's training
+# code from .gpu/plugin/megatron-lm (tools/gpu_carry.sh), or SNAKE_MEGATRON_LM_DIR. The dry
+# run times the wheel's install with this machine's Python 3.12 and trains on a checkout's
+# own megatron/core (SNAKE_MEGATRON_LM_DIR: a full core_v0.19.0 checkout).
+plugin_env() {
+    export MEGATRON_LM_DIR=${SNAKE_MEGATRON_LM_DIR:-$PWD/.gpu/plugin/megatron-lm}
+    [ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ] || {
+        echo "gpu_check.sh: no Megatron-LM checkout at $MEGATRON_LM_DIR: run tools/gpu_carry.sh"\
+             "with MEGATRON_LM_DIR set to core_v0.19.0's (or set SNAKE_MEGATRON_LM_DIR)" >&2
+        return 1; }
+    ls .gpu/plugin/wheels/megatron_core-*.whl >/dev/null 2>&1 || {
+        echo "gpu_check.sh: .gpu/plugin/wheels has no megatron-core wheel: run tools/gpu_carry.sh" >&2
+        return 1; }
+    local site=/tmp/snake_site_plugin py=$PY
+    if [ "$DRY" = 1 ]; then
+        site=/tmp/snake_dry/site_plugin312
+        py=$(py312)
+    fi
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .gpu/plugin/wheels/megatron_core-*.whl 2>&1 | grep -v "^WARNING"
+    grep -h "^MAJOR\|^MINOR\|^PATCH" "$site/megatron/core/package_info.py" | tr '\n' ' ' \
+        >> "$OUTDIR/env.txt"
+    [ "$DRY" = 1 ] || export PYTHONPATH=$site:$PYTHONPATH
+}
+
+part_plugin() {
+    plugin_env || return
+    # fp32, dropout 0, 10 iterations: the same losses, grad norms and evaluations as plain
+    # Megatron-LM at one rank, and checkpoints both ways each going on as Megatron-LM's own
+    # resume does (tests/megatron_lm/test_plugin_runs.py)
+    step plugin_exact 250 "$PY" -m pytest -q -rfEs tests/megatron_lm/test_plugin_runs.py \
+        -k "$( [ "$DRY" = 1 ] && echo one_rank_equals_plain || echo "one_rank_equals_plain or continues")" \
+        --junitxml="$OUTDIR/plugin_exact.xml" -o cache_dir=/tmp/pytest_cache --basetemp=/tmp/snake_plugin_runs
+    # tokens/s of the plug-in against the own loop, the same GPT in bf16, alternating
+    step plugin_bench 170 "$PY" tools/bench_plugin.py --dir "$SCRATCH/plugin_bench" \
+        $( [ "$DRY" = 1 ] && echo "--device cpu --layers 2 --hidden 64 --heads 4 --seq 64 --vocab 1024 --iters 4 --warmup 1 --rounds 1" ||
+           echo "--device cuda --flags=--bf16 --layers 4 --hidden 2048 --heads 16 --seq 2048 --vocab 32000 --micro-batch 1 --global-batch 8 --iters 10 --warmup 3 --rounds 2" ) \
+        --log-dir "$OUTDIR/plugin_bench_logs" --json-out "$OUTDIR/plugin_bench.json"
 }
 
 # --- suite: tests/gpu and the demo, then two short benchmarks -----------------------------

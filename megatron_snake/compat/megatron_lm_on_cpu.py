@@ -1,4 +1,5 @@
-"""Megatron-LM's training package (tag core_v0.16.1) on a CPU-only torch: the patches, in one place.
+"""Megatron-LM's training package (core_v0.16.1 to core_v0.19.0) on a CPU-only torch: the patches,
+in one place.
 
 ``megatron_on_cpu`` patches Megatron-Core. Megatron-LM's own ``megatron.training`` and
 ``megatron.legacy`` (what ``pretrain_gpt.py`` runs) assume CUDA in a few more places; these
@@ -8,18 +9,22 @@ patches stand in for exactly those, only when torch has no CUDA (docs/megatron_o
 A. ``allow_no_cuda``: ``initialize_megatron`` asserts ``torch.cuda.is_available()``.
 B. ``distributed_init``: with ``torch.cuda.device_count() == 0`` Megatron-LM builds no
    model-parallel groups and seeds no model-parallel RNG.
-D. ``fused_kernels``: ``fused_kernels.load`` runs ``CUDA_HOME + "/bin/nvcc"``.
-E. ``get_model_streams``: ``get_model`` wraps DDP in a ``torch.cuda.Stream``.
+D. ``fused_kernels``: ``fused_kernels.load`` runs ``CUDA_HOME + "/bin/nvcc"`` (0.16 only).
+E. ``get_model_streams``: ``get_model`` (0.19: also the builder's ``_ddp_wrap``) wraps DDP
+   in a ``torch.cuda.Stream``.
 F. ``cuda_rng_state``: the rerun state machine and checkpoints save and restore the CUDA
    generator.
 G. ``data_iterators_rng_neutral``: the data iterators are built after the checkpoint's RNG
    state is restored, and draw from the generator dropout uses on the CPU.
 H. ``device_arch_version``: ``validate_args`` asks the GPU's architecture for TP/CP > 1.
-I. ``stub_batch_invariant_kernels``: only when triton is not installed.
+I. ``stub_batch_invariant_kernels``: only when triton is not installed (0.16 only: 0.17
+   guards its triton import itself).
 
 (C, the ``make`` of the dataset helpers, is not CPU-specific: ``megatron_snake.megatron_lm``
 handles it on every device.)
 
+Which patches a release needs, and the fragment of Megatron-LM's source each stands in for,
+is ``megatron_snake.releases.CPU_SITES`` (a patch applies in a release where it has a site).
 Replaced functions are wrapped with ``functools.wraps`` so that ``inspect.getsource`` still
 shows Megatron-LM's source: ``check_patched_sites`` then works before and after ``apply``.
 """
@@ -34,92 +39,60 @@ import inspect
 import sys
 import threading
 import types
-from dataclasses import dataclass
 
 import torch
 
+from megatron_snake import releases
 from megatron_snake.compat import megatron_on_cpu
 from megatron_snake.compat.megatron_on_cpu import PatchedSiteMoved
 from megatron_snake.errors import UserError
 
-SUPPORTED_MEGATRON_LM = "core_v0.16.1"
-
 _applied = False
 _lock = threading.Lock()
+_BIK = releases.BATCH_INVARIANT_KERNELS
 
 
-@dataclass(frozen=True)
-class PatchedSite:
-    """A Megatron-LM function (``""``: the module itself) whose source must contain
-    ``fragment`` for patch ``patch`` to hold."""
-
-    module: str
-    qualname: str
-    fragment: str
-    patch: str
-
-    def source(self) -> str:
-        obj = importlib.import_module(self.module)
-        for part in filter(None, self.qualname.split(".")):
-            obj = getattr(obj, part)
-        return inspect.getsource(obj)  # follows functools.wraps to the original
-
-    @property
-    def name(self) -> str:
-        return f"{self.module}.{self.qualname}" if self.qualname else self.module
+def _source(site: releases.CpuSite) -> str:
+    obj = importlib.import_module(site.module)
+    for part in filter(None, site.qualname.split(".")):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)  # follows functools.wraps to the original
 
 
-_I, _T = "megatron.training.initialize", "megatron.training.training"
-_BIK = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+def _release() -> releases.Release:
+    import megatron.core
 
-PATCHED_SITES = (
-    PatchedSite(_I, "initialize_megatron", 'assert torch.cuda.is_available(), "Megatron requires CUDA."', "A"),
-    PatchedSite(_T, "", "from megatron.training.initialize import initialize_megatron", "A"),
-    PatchedSite(_I, "_initialize_distributed", "device_count = torch.cuda.device_count()", "B"),
-    PatchedSite(_I, "_initialize_distributed", "if device_count > 0:", "B"),
-    PatchedSite(_I, "_set_random_seed", "if torch.cuda.device_count() > 0:", "B"),
-    PatchedSite(_I, "initialize_megatron",
-                "_initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store)", "B"),
-    PatchedSite(_I, "_compile_dependencies", "fused_kernels.load(args)", "D"),
-    PatchedSite("megatron.legacy.fused_kernels", "load", "_get_cuda_bare_metal_version(", "D"),
-    PatchedSite(_T, "get_model", "ddp_stream = torch.cuda.Stream()", "E"),
-    PatchedSite(_T, "get_model", "torch.cuda.current_stream().wait_stream(ddp_stream)", "E"),
-    PatchedSite("megatron.core.rerun_state_machine", "RerunStateMachine._save_state",
-                '"cuda_rng_state": torch.cuda.get_rng_state(),', "F"),
-    PatchedSite("megatron.core.rerun_state_machine", "RerunStateMachine._restore_state",
-                'torch.cuda.set_rng_state(rng_state["cuda_rng_state"])', "F"),
-    PatchedSite("megatron.training.checkpointing", "get_rng_state",
-                "'cuda_rng_state': torch.cuda.get_rng_state(),", "F"),
-    PatchedSite("megatron.training.checkpointing", "load_checkpoint",
-                "torch.cuda.set_rng_state(rng_state['cuda_rng_state'])", "F"),
-    PatchedSite(_T, "pretrain", "build_train_valid_test_data_iterators(train_valid_test_dataset_provider)", "G"),
-    PatchedSite(_T, "build_train_valid_test_data_iterators", "RerunDataIterator(iter(dataloader))", "G"),
-    PatchedSite("megatron.training.arguments", "validate_args", "get_device_arch_version() < 10", "H"),
-    PatchedSite("megatron.training.arguments", "validate_args",
-                "os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') == \"1\"", "H"),
-    PatchedSite("megatron.training.utils", "get_device_arch_version",
-                "torch.cuda.get_device_properties(", "H"),
-    PatchedSite(_I, "", f"from {_BIK} import enable_batch_invariant_mode", "I"),
-)
+    version = getattr(megatron.core, "__version__", "unknown")
+    release = releases.release_of(version)
+    if release is None:
+        raise PatchedSiteMoved(f"megatron_snake's Megatron-LM-on-CPU patches are written for "
+                               f"{releases.SUPPORTED}; megatron.core is {version}")
+    return release
 
 
-def check_patched_sites() -> None:
-    """Raise PatchedSiteMoved naming every site whose source no longer matches."""
-    _provide_triton_stub()
+def check_patched_sites() -> releases.Release:
+    """The release of the imported megatron.core; raises PatchedSiteMoved naming every site
+    of its patches whose source no longer matches."""
+    release = _release()
+    patches = releases.cpu_patches_for(release.series)
+    if "I" in patches:
+        _provide_triton_stub()
     problems = []
-    for site in PATCHED_SITES:
+    for site in releases.cpu_sites_for(release.series):
         try:
-            src = site.source()
+            src = _source(site)
         except (ImportError, AttributeError, TypeError, OSError) as exc:
             problems.append(f"patch {site.patch}: {site.name} is gone ({exc})")
             continue
-        if site.fragment not in src:
+        if not releases.contains(src, site.fragment):
             problems.append(f"patch {site.patch}: {site.name} no longer contains {site.fragment!r}")
     if problems:
         raise PatchedSiteMoved(
             "megatron_snake's Megatron-LM-on-CPU patches no longer match this Megatron-LM "
-            f"(use Megatron-LM {SUPPORTED_MEGATRON_LM} or update "
-            "megatron_snake/compat/megatron_lm_on_cpu.py):\n  " + "\n  ".join(problems))
+            f"{release.series} (use one of {releases.SUPPORTED}, or update "
+            "megatron_snake/releases.py and megatron_snake/compat/megatron_lm_on_cpu.py):\n  "
+            + "\n  ".join(problems))
+    return release
 
 
 def apply() -> bool:
@@ -135,10 +108,15 @@ def apply() -> bool:
         if _applied:
             return True
         megatron_on_cpu.apply("cpu")
-        check_patched_sites()  # imports the training package (after patch I where needed)
-        for patch in (_allow_no_cuda, _distributed_init, _fused_kernels, _get_model_streams,
-                      _cuda_rng_state, _data_iterators_rng_neutral, _device_arch_version):
-            patch()
+        # imports the training package (after patch I where needed)
+        series = check_patched_sites().series
+        patches = releases.cpu_patches_for(series)
+        for letter, patch in (("A", _allow_no_cuda), ("B", _distributed_init),
+                              ("D", _fused_kernels), ("E", lambda: _get_model_streams(series)),
+                              ("F", _cuda_rng_state), ("G", _data_iterators_rng_neutral),
+                              ("H", _device_arch_version)):
+            if letter in patches:
+                patch()
         _applied = True
         return True
 
@@ -248,25 +226,27 @@ class _NoStream:
         pass
 
 
-def _get_model_streams() -> None:
-    """E. ``get_model`` builds the DDP wrappers on a side ``torch.cuda.Stream()`` and syncs it
-    with ``torch.cuda.current_stream()``; both raise on a CPU build (``torch.cuda.stream(s)``
-    is already a no-op there). Only for the duration of ``get_model``."""
-    import megatron.training.training as T
+def _get_model_streams(series: str) -> None:
+    """E. ``get_model`` (and from 0.19 the config builder's ``_ddp_wrap``) builds the DDP
+    wrappers on a side ``torch.cuda.Stream()`` and syncs it with
+    ``torch.cuda.current_stream()``; both raise on a CPU build (``torch.cuda.stream(s)`` is
+    already a no-op there). Only for the duration of each function with a site of E."""
+    for module_name, qualname in dict.fromkeys(
+            (s.module, s.qualname) for s in releases.cpu_sites_for(series) if s.patch == "E"):
+        module = importlib.import_module(module_name)
+        orig = getattr(module, qualname)
 
-    orig = T.get_model
+        @functools.wraps(orig)
+        def without_streams(*args, _orig=orig, **kwargs):
+            saved = torch.cuda.Stream, torch.cuda.current_stream
+            torch.cuda.Stream = _NoStream
+            torch.cuda.current_stream = lambda *a, **k: _NoStream()
+            try:
+                return _orig(*args, **kwargs)
+            finally:
+                torch.cuda.Stream, torch.cuda.current_stream = saved
 
-    @functools.wraps(orig)
-    def get_model(*args, **kwargs):
-        saved = torch.cuda.Stream, torch.cuda.current_stream
-        torch.cuda.Stream = _NoStream
-        torch.cuda.current_stream = lambda *a, **k: _NoStream()
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            torch.cuda.Stream, torch.cuda.current_stream = saved
-
-    T.get_model = get_model
+        setattr(module, qualname, without_streams)
 
 
 # --- F, G: random number generators -------------------------------------------------------

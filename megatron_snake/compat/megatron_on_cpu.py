@@ -1,4 +1,5 @@
-"""Megatron-Core 0.16.1 on a CPU-only torch: the five patches, in one place.
+"""Megatron-Core (0.16 to 0.19: ``megatron_snake.releases``) on a CPU-only torch: the six
+patches, in one place.
 
 Megatron-Core assumes CUDA in a few places. On a machine whose compute device is the CPU
 we patch exactly these (docs/megatron_on_cpu.md says what each stands in for):
@@ -16,8 +17,12 @@ we patch exactly these (docs/megatron_on_cpu.md says what each stands in for):
 5. Megatron's optimizers test ``param.type() == "torch.cuda.FloatTensor"``: the same mode
    answers CUDA type names for CPU floating tensors.
 
-``PATCHED_SITES`` lists a source fragment of every Megatron site these patches stand in
-for; ``check_patched_sites()`` (and a test) fail loudly when a site moves or changes.
+6. megatron-core 0.19's DDP bucket waits on ``torch.cuda.current_stream()`` for CUDA-graph
+   events before it reduces: a stream that waits for nothing, in the same threads as 2.
+
+``megatron_snake.releases.CORE_CPU_SITES`` lists a source fragment of every Megatron site
+these patches stand in for, with the releases it holds in; ``check_patched_sites()`` (and a
+test) fail loudly when a site moves or changes.
 Nothing here is applied when a GPU is the compute device. Where a GPU is present but the
 compute device is the CPU (the CPU suite on a GPU machine), patches 2 and 4 hold in the
 patching thread only.
@@ -29,64 +34,25 @@ import contextlib
 import importlib
 import inspect
 import threading
-from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+from megatron_snake import releases
 
 _applied = False
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class PatchedSite:
-    """A Megatron-Core function whose source must contain ``fragment`` for a patch to hold."""
-
-    module: str
-    qualname: str
-    fragment: str
-    patch: int  # which of the five patches covers it
-
-    def source(self) -> str:
-        obj = importlib.import_module(self.module)
-        for part in self.qualname.split("."):
-            obj = getattr(obj, part)
-        return inspect.getsource(obj)
-
-
-PATCHED_SITES = (
-    PatchedSite("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed",
-                "_CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME", 1),
-    PatchedSite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add",
-                "torch.cuda.get_rng_state()", 1),
-    PatchedSite("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork",
-                "_set_cuda_rng_state(self.states_[name]", 1),
-    PatchedSite("megatron.core.tensor_parallel.random", "_get_all_rng_states",
-                "_get_cuda_rng_state(", 1),
-    PatchedSite("megatron.core.tensor_parallel.random", "_set_all_rng_states",
-                "_set_cuda_rng_state(", 1),
-    PatchedSite("megatron.core.tensor_parallel.random", "initialize_rng_tracker",
-                "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:", 1),
-    PatchedSite("megatron.core.models.common.embeddings.rotary_pos_embedding",
-                "RotaryEmbedding.get_emb", "torch.cuda.current_device()", 2),
-    PatchedSite("megatron.core.utils", "GlobalMemoryBuffer.get_tensor",
-                "torch.cuda.current_device()", 2),
-    PatchedSite("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate",
-                "torch.cuda.synchronize()", 3),
-    PatchedSite("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
-                'device="cuda"', 4),
-    PatchedSite("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
-                "param.type() == 'torch.cuda.FloatTensor'", 5),
-    PatchedSite("megatron.core.optimizer.distrib_optimizer",
-                "DistributedOptimizer._build_model_and_main_param_groups",
-                "model_param.type() == 'torch.cuda.FloatTensor'", 5),
-)
-
-
 class PatchedSiteMoved(RuntimeError):
     pass
+
+
+def _source(site: releases.CpuSite) -> str:
+    obj = importlib.import_module(site.module)
+    for part in site.qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
 
 
 def check_patched_sites() -> None:
@@ -95,22 +61,24 @@ def check_patched_sites() -> None:
 
     problems = []
     version = getattr(megatron.core, "__version__", "unknown")
-    if version != SUPPORTED_MEGATRON_CORE:
+    release = releases.release_of(version)
+    if release is None:
         problems.append(f"megatron-core is {version}, the CPU patches were written for "
-                        f"{SUPPORTED_MEGATRON_CORE}")
-    for site in PATCHED_SITES:
+                        f"{releases.SUPPORTED}")
+    for site in releases.core_cpu_sites_for(release.series) if release else ():
         try:
-            src = site.source()
+            src = _source(site)
         except (ImportError, AttributeError) as exc:
-            problems.append(f"patch {site.patch}: {site.module}.{site.qualname} is gone ({exc})")
+            problems.append(f"patch {site.patch}: {site.name} is gone ({exc})")
             continue
-        if site.fragment not in src:
-            problems.append(f"patch {site.patch}: {site.module}.{site.qualname} no longer "
-                            f"contains {site.fragment!r}")
+        if not releases.contains(src, site.fragment):
+            problems.append(f"patch {site.patch}: {site.name} no longer contains "
+                            f"{site.fragment!r}")
     if problems:
         raise PatchedSiteMoved(
             "megatron_snake's Megatron-Core-on-CPU patches no longer match this megatron-core "
-            "(pin megatron-core==0.16.1 or update megatron_snake/compat/megatron_on_cpu.py):\n  "
+            f"(install {releases.MEGATRON_CORE_REQUIREMENT} or update "
+            "megatron_snake/compat/megatron_on_cpu.py):\n  "
             + "\n  ".join(problems))
 
 
@@ -219,6 +187,27 @@ def _current_device_for(megatron_thread: int):
     return current_device
 
 
+class _NoStream:
+    """Patch 6: the CPU's one stream, which waits for nothing."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+def _current_stream_for(megatron_thread: int):
+    original = torch.cuda.current_stream
+
+    def current_stream(*args, **kwargs):
+        if threading.get_ident() == megatron_thread or not torch.cuda.is_available():
+            return _NoStream()
+        return original(*args, **kwargs)
+
+    return current_stream
+
+
 def apply(device: torch.device | str | None = None) -> bool:
     """Patch Megatron-Core for a CPU compute device. Returns True if patches are active.
 
@@ -236,6 +225,8 @@ def apply(device: torch.device | str | None = None) -> bool:
         _install_cpu_rng()
         torch.cuda.current_device = _current_device_for(threading.get_ident())  # patch 2
         torch.cuda.synchronize = lambda *args, **kwargs: None  # patch 3
+        if "6" in releases.core_cpu_patches_for(releases.imported().series):
+            torch.cuda.current_stream = _current_stream_for(threading.get_ident())
         _mode = CudaToCpuMode()
         _mode.__enter__()  # stays active for the life of the process (this thread)
         _applied = True

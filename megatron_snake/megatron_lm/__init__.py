@@ -1,4 +1,5 @@
-"""megatron_snake as a plug-in for Megatron-LM's own ``pretrain_gpt.py`` (tag core_v0.16.1).
+"""megatron_snake as a plug-in for Megatron-LM's own ``pretrain_gpt.py`` (the releases of
+``megatron_snake.releases``: core_v0.16.1 to core_v0.19.0).
 
 Run a Megatron-LM entry script through the runner (docs/megatron_lm.md)::
 
@@ -21,6 +22,7 @@ import os
 import threading
 from pathlib import Path
 
+from megatron_snake.compat import megatron_import
 from megatron_snake.megatron_lm.version import MegatronLMVersionError, check_megatron_lm
 
 __all__ = ["install", "MegatronLMVersionError", "checkout_dir"]
@@ -32,7 +34,9 @@ _lock = threading.Lock()
 def install() -> None:
     """Install the plug-in into Megatron-LM's training package. Idempotent.
 
-    Refuses (MegatronLMVersionError, one line) a Megatron-LM other than the supported one;
+    Prepares the import of a newer megatron-core where triton or ``typing.override`` is
+    missing (``compat.megatron_import``); refuses (MegatronLMVersionError, one line) a
+    Megatron-LM that is not a supported release, or a megatron.core of another release;
     on a machine without CUDA applies the CPU patches (Megatron-Core's, then Megatron-LM's);
     skips the dataset helpers' ``make`` where it cannot work; then installs the plug-in's
     replacements (``hooks.install``), which change nothing without ``--snake-offload``.
@@ -45,7 +49,11 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        check_megatron_lm(checkout_dir())
+        checkout = checkout_dir()
+        # again: the runner may have changed which megatron.core will be imported
+        megatron_import.prepare()
+        release = check_megatron_lm(checkout)
+        import megatron.core
         import torch
 
         if not torch.cuda.is_available():
@@ -55,6 +63,10 @@ def install() -> None:
 
         hooks.install()
         _installed = True
+        if os.environ.get("RANK", "0") == "0":   # which code runs, said once
+            print(f"> megatron_snake.megatron_lm: Megatron-LM at {checkout} ({release.tag}'s "
+                  f"series), megatron.core {megatron.core.__version__} from "
+                  f"{Path(megatron.core.__file__).parent}", flush=True)
 
 
 def checkout_dir() -> Path:
@@ -66,11 +78,11 @@ def checkout_dir() -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.origin:
-        from megatron_snake.megatron_lm.version import SUPPORTED_TAG
+        from megatron_snake.megatron_lm.version import SUPPORTED
 
         raise MegatronLMVersionError(
             "megatron.training is not importable: run an entry script of a Megatron-LM "
-            f"checkout at tag {SUPPORTED_TAG} through python -m megatron_snake.megatron_lm, "
+            f"checkout ({SUPPORTED}) through python -m megatron_snake.megatron_lm, "
             "or put that checkout on sys.path")
     return Path(spec.origin).resolve().parent.parent.parent  # <checkout>/megatron/training/__init__.py
 
@@ -102,7 +114,7 @@ def _skip_dataset_helpers_make() -> None:
         return  # nothing built either: keep Megatron-LM's own failure
     orig = U.compile_helpers
 
-    @functools.wraps(orig)  # version.WRAPPED checks its source
+    @functools.wraps(orig)  # releases.WRAPPED checks its source
     def compile_helpers():
         return None
 

@@ -117,6 +117,55 @@ REFUSED = (
             or _get(a, "save_dgrads_interval") is not None, "the gradients live in the store"),
     Refused("--data-parallel-random-init", _on("data_parallel_random_init"),
             "every data-parallel rank starts from the same weights with --snake-offload"),
+    Refused("--check-for-large-grads", _on("check_for_large_grads"), "Megatron checks for "
+            "large gradients in its DDP gradient buffers, which --snake-offload does not build "
+            "(each unit's gradients go to the store); drop the flag"),
+    # Megatron-LM 0.17's
+    Refused("--optimizer-cuda-graph", _on("optimizer_cuda_graph"), "the offloaded AdamW runs "
+            "on the CPU, not in a CUDA graph; drop the flag"),
+    Refused("--use-mup", _on("use_mup"), "MuP scales the learning rate per parameter; the "
+            "offloaded AdamW has one learning rate for every parameter"),
+    Refused("--ddp-param-name-patterns-for-fp32-local-accumulation",
+            _on("ddp_param_name_patterns_for_fp32_local_accumulation"), "it configures "
+            "Megatron's DDP gradient buffers, which --snake-offload does not build (the store "
+            "accumulates every gradient in fp32); drop the flag"),
+    # Megatron-LM 0.18's
+    Refused("--save-params-interval", lambda a: _get(a, "save_params_interval") is not None,
+            "the parameters live in the store, not in the model's"),
+    Refused("--save-activations-interval",
+            lambda a: _get(a, "save_activations_interval") is not None, "the snake runs the "
+            "model unit by unit, recomputing each unit: its hooks would log the recompute too"),
+    Refused("--step-batch-size-schedule",
+            lambda a: _get(a, "step_batch_size_schedule") is not None, "the snake plans its "
+            "groups for a fixed number of micro-batches per step; use a fixed "
+            "--global-batch-size"),
+    Refused("--verify-integrity", _on("verify_integrity"), "the plug-in writes and reads "
+            "torch_dist checkpoints unit by unit, without Megatron-LM's hash manifest"),
+    # Megatron-LM 0.19's
+    Refused("--freeze-all-layers", _on("freeze_all_layers"), "the offloaded AdamW updates "
+            "every parameter"),
+    Refused("--logits-save-dir", lambda a: _get(a, "logits_save_dir") is not None,
+            "its hooks are attached to the whole model, which the snake never holds"),
+    Refused("--logits-load-dir", lambda a: _get(a, "logits_load_dir") is not None,
+            "its hooks are attached to the whole model, which the snake never holds"),
+    Refused("--override-ckpt-iteration", lambda a: _get(a, "override_ckpt_iteration") is not None,
+            "the plug-in loads a checkpoint at the iteration it saved; drop the flag"),
+    Refused("--tensor-parallel-num-weight-shards", lambda a: (_get(a, "gtp_weight_remat_size")
+                                                             or 1) > 1,
+            "weight sharding beyond tensor parallelism (GTP) is not run by the snake"),
+)
+
+# Megatron-LM's own checks of these are AssertionErrors (a traceback) in its validate_args,
+# or before it: with --snake-offload they are said in one line first, as soon as the flags
+# are parsed (parse_args). (given(args), flag, what to do)
+BEFORE_MEGATRON_LM = (
+    (lambda a: _get(a, "save") is not None and not (_get(a, "save_interval") or 0) > 0,
+     "--save", "needs --save-interval N > 0 (the iterations between two saves)"),
+    (_on("use_legacy_models"), "--use-legacy-models", "cannot be combined with --snake-offload: "
+     "the snake runs Megatron-Core's GPTModel, not the legacy model; drop the flag"),
+    (lambda a: _get(a, "ckpt_convert_format") is not None, "--ckpt-convert-format",
+     "cannot be combined with --snake-offload: a conversion saves the whole model through "
+     "Megatron-LM's own save; run it without --snake-offload"),
 )
 
 ABSORBED = (
@@ -132,6 +181,17 @@ ABSORBED = (
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the --snake-* flags."""
     return add_snake_args(parser)
+
+
+def check_parsed(args: argparse.Namespace, prog: str) -> None:
+    """Right after Megatron-LM's ``parse_args``, with --snake-offload: the refusals that
+    Megatron-LM's own checks would make as tracebacks (``BEFORE_MEGATRON_LM``)."""
+    if not getattr(args, "snake_offload", False):
+        return
+    parser = OneLineParser(prog=prog)
+    for given, flag, what in BEFORE_MEGATRON_LM:
+        if given(args):
+            fail(parser, flag, what)
 
 
 def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str]:
@@ -163,13 +223,10 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
                      "fp32, as with --accumulate-allreduce-grads-in-fp32 (not in fp16 "
                      "buffers), so the loss scale may overflow, and iterations be skipped, "
                      "later than in a plain run")
-    if args.transformer_impl == "transformer_engine":
-        import torch
-
-        if not torch.cuda.is_available():
-            fail(parser, "--transformer-impl", "transformer_engine (Megatron-LM's default) "
-                 "needs a GPU and Transformer Engine; pass --transformer-impl local on a "
-                 "machine without one")
+    if args.transformer_impl == "transformer_engine" and not _transformer_engine_usable():
+        fail(parser, "--transformer-impl", "transformer_engine (Megatron-LM's default) needs a "
+             "GPU and Transformer Engine, which this machine lacks; pass --transformer-impl "
+             "local (the layer spec of Megatron-Core's own modules)")
     if _get(args, "use_precision_aware_optimizer"):
         # Megatron-LM's flags, read by the offloaded AdamW (optim/precision.py) instead of
         # Transformer Engine's FusedAdam: the same rules, the dtypes Megatron-LM mapped
@@ -181,6 +238,16 @@ def check_args(args: argparse.Namespace, prog: str, argv: list[str]) -> list[str
     refuse_flags_snake_auto_chooses(args, parser, argv)
     validate_snake_args(args, parser)
     return notes
+
+
+def _transformer_engine_usable() -> bool:
+    """A GPU, and Transformer Engine as megatron-core imported it (without it megatron-core
+    builds the TE layer spec anyway, and its first layer raises in the middle of the
+    model's build)."""
+    import torch
+    from megatron.core.extensions import transformer_engine
+
+    return torch.cuda.is_available() and bool(getattr(transformer_engine, "HAVE_TE", False))
 
 
 def _derive(args: argparse.Namespace) -> None:

@@ -2,10 +2,13 @@
 
 Each replacement is a module attribute Megatron-LM looks up when it calls it (the names
 ``megatron.training.training`` and ``megatron.training.initialize`` imported), checked by a
-fragment of its caller's source in ``version.WRAPPED``:
+fragment of its caller's source in ``releases.WRAPPED`` (per release):
 
-- ``initialize.parse_args``: the --snake-* flags join the user's ``extra_args_provider``;
-  ``initialize.validate_args``: after Megatron-LM's own checks, ``flags.check_args``.
+- ``parse_args``: the --snake-* flags join the user's ``extra_args_provider``;
+  ``validate_args``: after Megatron-LM's own checks, ``flags.check_args``. Both in
+  ``megatron.training.arguments`` (what ``parse_and_validate_args`` calls from 0.18) and
+  under the names ``megatron.training.initialize`` imported them (``initialize_megatron``
+  parses until 0.17).
 - ``training.setup_model_and_optimizer``: the offloaded run (``run.setup``);
 - ``training.get_forward_backward_func``: its snake schedule, for ``train_step`` and
   ``evaluate``;
@@ -22,10 +25,17 @@ so without it nothing of Megatron-LM's behaviour changes.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 
 _installed = False
+_pretrain_called = False
+
+
+def pretrain_called() -> bool:
+    """Whether Megatron-LM's pretrain() was entered since the plug-in was installed."""
+    return _pretrain_called
 
 
 def _snake(args) -> bool:
@@ -48,9 +58,10 @@ def install() -> None:
     import megatron_snake.megatron_lm.checkpoints as checkpoints
     import megatron_snake.megatron_lm.flags as flags
     import megatron_snake.megatron_lm.log as log
+    import megatron_snake.megatron_lm.model as plugin_model
     import megatron_snake.megatron_lm.run as run
 
-    parse_args, validate_args = initialize.parse_args, initialize.validate_args
+    parse_args, validate_args = mlm_arguments.parse_args, mlm_arguments.validate_args
 
     @functools.wraps(parse_args)
     def parse_args_with_snake_flags(extra_args_provider=None, ignore_unknown_args=False):
@@ -58,7 +69,9 @@ def install() -> None:
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
             return flags.add_args(parser)
-        return parse_args(provider, ignore_unknown_args)
+        args = parse_args(provider, ignore_unknown_args)
+        flags.check_parsed(args, os.path.basename(sys.argv[0]))
+        return args
 
     notes: list[str] = []
 
@@ -68,11 +81,13 @@ def install() -> None:
         notes[:] = flags.check_args(args, os.path.basename(sys.argv[0]), sys.argv[1:])
         return result
 
-    initialize.parse_args = parse_args_with_snake_flags
-    initialize.validate_args = validate_args_and_snake_flags
     # pretrain_gpt.py parses once before initialize_megatron does (its in-process-restart
     # check, through the arguments module's own name): --help must list the snake flags there
-    mlm_arguments.parse_args = parse_args_with_snake_flags
+    for module in (mlm_arguments, initialize):
+        for name, replacement in (("parse_args", parse_args_with_snake_flags),
+                                  ("validate_args", validate_args_and_snake_flags)):
+            if hasattr(module, name):
+                setattr(module, name, replacement)
 
     setup_model_and_optimizer = training.setup_model_and_optimizer
     get_forward_backward_func = training.get_forward_backward_func
@@ -83,16 +98,22 @@ def install() -> None:
     def log_rank0(message: str) -> None:
         training.print_rank_0(message)
 
+    setup_signature = inspect.signature(setup_model_and_optimizer)
+
     @functools.wraps(setup_model_and_optimizer)
-    def setup(model_provider_func, model_type, checkpointing_context=None, *args, **kwargs):
+    def setup(*args, **kwargs):
         margs = global_vars.get_args()
         if not _snake(margs):
-            return setup_model_and_optimizer(model_provider_func, model_type,
-                                             checkpointing_context, *args, **kwargs)
+            return setup_model_and_optimizer(*args, **kwargs)
         for note in notes:
             log_rank0(note)
+        # by name: the order changed in 0.19, which also builds the model from the
+        # config container's builder where no model provider is given
+        call = setup_signature.bind(*args, **kwargs).arguments
         return run.setup(
-            margs, model_provider_func, model_type,
+            margs, plugin_model.provider_of(call.get("model_provider_func"),
+                                            call.get("cfg_container")),
+            call["model_type"],
             make_scheduler=training.get_optimizer_param_scheduler,
             load=lambda built: checkpoints.load(
                 built, update_num_microbatches=training.update_num_microbatches,
@@ -128,6 +149,8 @@ def install() -> None:
 
     @functools.wraps(pretrain)
     def pretrain_closing_the_run(*args, **kwargs):
+        global _pretrain_called
+        _pretrain_called = True
         with run.closing():
             return pretrain(*args, **kwargs)
 

@@ -26,6 +26,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import transformer_block
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
+from megatron_snake.errors import UserError
 from megatron_snake.training.extra_state import refuse_unsafe_extra_state
 
 
@@ -47,6 +48,32 @@ def _reporting_built_layers(on_built: Callable[[torch.nn.Module], None]):
         yield
     finally:
         transformer_block.build_module = build_module
+
+
+def provider_of(model_provider_func, cfg_container):
+    """The model provider ``setup_model_and_optimizer`` was given; from 0.19, where it is
+    given none (pretrain_gpt.py's own case), the one its config container's builder stands
+    for: ``builder.build_model(pg_collection, pre_process, post_process)``, which its
+    ``build_distributed_models`` calls for each stage. The builder's wrap hooks would run
+    around that call, on the whole model: refused, never skipped."""
+    if model_provider_func is not None:
+        return model_provider_func
+    model_config = getattr(cfg_container, "model", None)
+    if model_config is None:
+        raise UserError("--snake-offload: setup_model_and_optimizer was given neither a model "
+                        "provider nor a config container with a model")
+    for hooks in ("pre_wrap_hooks", "post_wrap_hooks"):
+        if getattr(model_config, hooks, None):
+            raise UserError(f"--snake-offload: the model config's {hooks} act on the whole "
+                            "model, which the snake never holds; build the model without them")
+    builder = model_config.get_builder_cls()(model_config)
+
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None):
+        return builder.build_model(pg_collection, pre_process=pre_process,
+                                   post_process=post_process, vp_stage=vp_stage)
+
+    return provider
 
 
 def streamed_builder(model_provider_func, model_type, device: torch.device):

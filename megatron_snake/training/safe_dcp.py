@@ -8,11 +8,15 @@ ShardedObject), and ``common.pt`` and the tensor chunks (``torch.load(weights_on
 but under torch's process-wide allowlist, which importing megatron.core widens to some
 thirty classes). This module replaces each with a reader that
 accepts only what a checkpoint of tensors and plain values needs, and plugs them into
-Megatron's own ``dist_checkpointing.load`` through its strategy arguments:
+Megatron's own ``dist_checkpointing.load``:
 
-    dist_checkpointing.load(sharded_state_dict, path,
-                            sharded_strategy=SafeTorchDistLoadStrategy(),
-                            common_strategy=SafeCommonLoadStrategy())
+    safe_dcp.load(sharded_state_dict, path)
+
+Until megatron-core 0.16 the common state is ``common.pt``, read through the load's
+``common_strategy`` argument; from 0.17 a save puts it in the DCP files (a ShardedObject
+``common_state``), the load reads it through ``serialization.load_common_state_dict`` and
+takes no common strategy: that name is pointed at ``load_common_state`` for the call
+(``releases.Release.common_in_dcp``). ``load_common_state`` reads either layout.
 
 Anything else is refused with an UnsafeCheckpointError naming the file and the object.
 
@@ -36,10 +40,11 @@ import signal
 from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
-                                                                TorchCommonLoadStrategy)
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreLoadPlanner,
                                                                TorchDistLoadShardedStrategy)
 from torch.distributed.checkpoint import FileSystemReader
@@ -48,6 +53,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta)
 
+from megatron_snake import releases
 from megatron_snake.storage.errors import UnsafePathError
 from megatron_snake.storage.safe_files import create_file, open_regular_file
 from megatron_snake.training.checkpointing import (CheckpointCorruptError, UnsafeCheckpointError,
@@ -72,15 +78,19 @@ _METADATA_GLOBALS = frozenset(
 
 
 def _flag_enums() -> tuple:
-    """The enum classes Megatron-LM's flags hold (``--exit-signal``'s signal, the model
-    type, the attention backend, ...): every enum of megatron.core's two enum modules.
+    """The enum classes Megatron-LM's flags and common state hold (``--exit-signal``'s
+    signal, the model type, the attention backend, the rerun mode, ...): every enum of
+    megatron.core's two enum modules and of its rerun state machine.
     Unpickling one calls the class with a member's value, which looks the member up and
     runs nothing else."""
     from megatron.core import enums as core_enums
+    from megatron.core import rerun_state_machine
     from megatron.core.transformer import enums as transformer_enums
 
     found = [signal.Signals]
-    for module in (core_enums, transformer_enums):
+    # (the rerun state machine's mode and state: in the common state megatron-core 0.17+
+    # saves in the DCP files)
+    for module in (core_enums, transformer_enums, rerun_state_machine):
         found += [value for value in vars(module).values()
                   if isinstance(value, type) and issubclass(value, enum.Enum)
                   and value.__module__ == module.__name__]
@@ -278,15 +288,15 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     """Megatron's torch_dist load with the safe metadata reader and planner (its ``load``,
     with those two swapped in for the module-level ones it names)."""
 
-    def load(self, sharded_state_dict, checkpoint_dir: Path):
+    def load(self, sharded_state_dict, checkpoint_dir: Path, *args, **kwargs):
         # Megatron's load builds its reader and planner through these two module names;
-        # point them at ours for this call (one load at a time: loads are collective)
+        # point them at ours for this call (one load at a time: loads are collective).
+        # (From 0.17 the load also takes an async strategy, which names the reader's class.)
         reader, planner = mcore_torch._get_filesystem_reader, mcore_torch.MCoreLoadPlanner
-        mcore_torch._get_filesystem_reader = lambda path, cache_metadata=False: \
-            _SafeReader(path)
+        mcore_torch._get_filesystem_reader = lambda path, *a, **k: _SafeReader(path)
         mcore_torch.MCoreLoadPlanner = _SafeLoadPlanner
         try:
-            return super().load(sharded_state_dict, checkpoint_dir)
+            return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         finally:
             mcore_torch._get_filesystem_reader, mcore_torch.MCoreLoadPlanner = reader, planner
 
@@ -306,14 +316,51 @@ class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
         return sharded
 
 
-class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-    """``common.pt`` through ``load_plain``."""
+COMMON_STATE_KEY = "common_state"   # megatron-core 0.17's ShardedObject of the common state
 
-    def load_common(self, checkpoint_dir):
-        path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+
+def load_common_state(checkpoint_dir) -> dict:
+    """The checkpoint's common state (the flags, the iteration, ...) through ``load_plain``:
+    ``common.pt`` where there is one (megatron-core 0.16's layout, and this project's
+    saves), else the ShardedObject a megatron-core 0.17 save puts in the DCP files."""
+    path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+    if os.path.lexists(path) or not os.path.lexists(os.path.join(checkpoint_dir, ".metadata")):
         with open_checkpoint_file(path) as f:
             common = load_plain(f, path)
-        if type(common) is not dict:
-            raise corrupt(path, f"it holds a {type(common).__name__}, not the dict a save "
-                                "writes")
-        return common
+    else:
+        key = ShardedObject(COMMON_STATE_KEY, None, (1,), (0,)).unique_key
+        path = f"{checkpoint_dir} ({key})"
+        state = {key: io.BytesIO()}
+        torch.distributed.checkpoint.load(state, storage_reader=_SafeReader(checkpoint_dir),
+                                          planner=_SafeLoadPlanner(), no_dist=True)
+        common = state[key]
+        if isinstance(common, io.BytesIO):
+            common.seek(0)
+            common = load_plain(common, path)
+        if isinstance(common, list) and len(common) == 1:   # what save_common wrote
+            common = common[0]
+    if type(common) is not dict:
+        raise corrupt(path, f"it holds a {type(common).__name__}, not the dict a save writes")
+    return common
+
+
+def load(sharded_state_dict: dict, checkpoint_dir: str) -> dict:
+    """Megatron's ``dist_checkpointing.load`` with the safe readers (module docstring)."""
+    strategy = SafeTorchDistLoadStrategy()
+    if not releases.imported().common_in_dcp:
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+        class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+            def load_common(self, checkpoint_dir):
+                return load_common_state(checkpoint_dir)
+
+        return dist_checkpointing.load(sharded_state_dict, checkpoint_dir,
+                                       sharded_strategy=strategy,
+                                       common_strategy=SafeCommonLoadStrategy())
+    original = serialization.load_common_state_dict
+    serialization.load_common_state_dict = load_common_state
+    try:
+        return dist_checkpointing.load(sharded_state_dict, checkpoint_dir,
+                                       sharded_strategy=strategy)
+    finally:
+        serialization.load_common_state_dict = original

@@ -37,9 +37,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_snake.training.safe_dcp import (SafeCommonLoadStrategy,
-                                                SafeTorchDistLoadStrategy, corrupt,
-                                                open_checkpoint_file, read_metadata)
+from megatron_snake.training import safe_dcp
+from megatron_snake.training.safe_dcp import corrupt, open_checkpoint_file, read_metadata
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.optim.precision import REMAINDER, Precision, dtype_name, join_flat
 from megatron_snake.training import checkpointing as ckpt
@@ -140,7 +139,7 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
             "this run reads torch_dist and its own torch format")
     # both pickles checked here, before any collective: a refusal names the file
     metadata = read_metadata(os.path.join(iter_dir, ".metadata"))
-    common = SafeCommonLoadStrategy().load_common(iter_dir)
+    common = safe_dcp.load_common_state(iter_dir)
     # a directory copied or linked from another run holds another iteration
     ckpt.check_saved_iteration(root, iter_dir, expected=expected, saved=common.get("iteration"))
     saved_args = common.get("args")
@@ -168,18 +167,16 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
                      "(numpy objects, which megatron_snake does not unpickle); the run "
                      "continues with its own RNG (--no-load-rng says so explicitly)")
     extra = {RNG_KEY: _rng_object(None)} if takes_rng else {}
-    strategies = dict(sharded_strategy=SafeTorchDistLoadStrategy(),
-                      common_strategy=SafeCommonLoadStrategy())
     master_dtype = _saved_master_dtype(metadata)
     if takes_optimizer:
         notes += precision_notes(saved_args, args, master_dtype)
     with _refusals(root, iter_dir):
         if run.offloaded:
             loaded = torch_dist_offloaded.load(iter_dir, run, with_optimizer=takes_optimizer,
-                                               extra=extra, strategies=strategies,
+                                               extra=extra,
                                                master_dtype=master_dtype)
         else:
-            loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra, strategies,
+            loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra,
                                      master_dtype)
     if takes_optimizer and run.offloaded:
         step, scaler = torch_dist_offloaded.saved_step(common.get("optimizer") or {})
@@ -275,7 +272,7 @@ def _read_config(iter_dir: str) -> dict:
 
 
 def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra: dict,
-                    strategies: dict, master_dtype: torch.dtype | None = None) -> dict:
+                    master_dtype: torch.dtype | None = None) -> dict:
     """Megatron's own load into a run that holds its model: one collective read. Master
     weights saved as remainders (an offloaded run's precision-aware optimizer under bf16)
     are read as int16 and joined with the loaded bf16 weights into the fp32 masters."""
@@ -284,7 +281,7 @@ def _load_in_memory(iter_dir: str, root: str, run, takes_optimizer: bool, extra:
     remainders = takes_optimizer and master_dtype == REMAINDER
     if remainders:
         _read_masters_as_remainders(run.optimizer, state["optimizer"])
-    loaded = dist_checkpointing.load({**state, **extra}, iter_dir, **strategies)
+    loaded = safe_dcp.load({**state, **extra}, iter_dir)
     result = unwrap_model(run.model).load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:

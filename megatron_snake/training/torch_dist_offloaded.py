@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
                                                       ShardedTensorFactory, apply_factories)
 
@@ -41,6 +40,7 @@ from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.optim.dp_shards import all_reduce_on_backend
 from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import SHARED, FlatLayout
+from megatron_snake.training import safe_dcp
 from megatron_snake.training.dcp_stream import fragment_sharded_tensors, stream_save
 
 # our optimizer state names -> Megatron's
@@ -226,7 +226,7 @@ def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict
 
 
 def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
-         strategies: dict, master_dtype: torch.dtype | None = None) -> dict:
+         master_dtype: torch.dtype | None = None) -> dict:
     """Load ``iter_dir`` (a torch_dist checkpoint of either kind of run, any layout) into
     the offloaded run: the resident model tensors, ``extra`` and the shared layout's
     optimizer state in one collective load, then each unit in its own, one at a time.
@@ -242,7 +242,7 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
                              master_dtype=master_dtype) if shared.segments else []
     state = _buffers(run, shared, pairs, with_optimizer, master_dtype)
     loaded = _load(iter_dir, {"model": resident, "fragments": _targets(pairs, state),
-                              **extra}, strategies)
+                              **extra})
     # (Megatron's load drops the entries that held nothing: a stage without resident state)
     _fill(state, pairs, loaded.get("fragments", []))
     weights.load_resident_state_dict(gpt, loaded.get("model", {}))
@@ -258,14 +258,14 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
                                    op=dist.ReduceOp.MAX)
     for index in range(int(rounds)):
         if index >= len(units):
-            _load(iter_dir, {}, strategies)
+            _load(iter_dir, {})
             continue
         lay = units[index]
         pairs = layout_fragments(run, lay, parts, with_weights=True,
                                  with_optimizer=with_optimizer, master_dtype=master_dtype)
         state = _buffers(run, lay, pairs, with_optimizer, master_dtype)
-        _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)},
-                                  strategies).get("fragments", []))
+        _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)}
+                                  ).get("fragments", []))
         if with_optimizer and "master" not in state:   # fp32: the weights are the masters
             state["master"] = state["weights"].float()
         weights.load_unit_state(lay.key, state, optimizer=with_optimizer)
@@ -309,5 +309,5 @@ def _fill(state: dict, pairs, tensors: list) -> None:
             target.copy_(tensor.reshape(-1))
 
 
-def _load(iter_dir: str, sharded: dict, strategies: dict) -> dict:
-    return dist_checkpointing.load(sharded, iter_dir, **strategies)
+def _load(iter_dir: str, sharded: dict) -> dict:
+    return safe_dcp.load(sharded, iter_dir)

@@ -1,13 +1,17 @@
 """Run Megatron-LM's own pretrain_gpt.py through ``python -m megatron_snake.megatron_lm``
 and read its log.
 
-These tests need a Megatron-LM checkout at the supported tag and skip without one::
+These tests need a Megatron-LM checkout at a supported release (``megatron_snake.releases``)
+and skip without one::
 
     MEGATRON_LM_DIR=/path/to/Megatron-LM python -m pytest -q tests/megatron_lm
 
-The runs use this interpreter (``sys.executable``). triton is not needed (the runner stubs
-the one module that imports it); psutil is needed for a ``torch_dist`` save (megatron-core's
-checkpoint writer; without it the save hangs), so the tests that save skip without it.
+The runs use this interpreter (``sys.executable``) and this repository's megatron_snake (its
+root goes first on their PYTHONPATH). triton is not needed (the runner stubs the modules that
+import it); psutil is needed for a ``torch_dist`` save (megatron-core's checkpoint writer;
+without it the save hangs), so the tests that save skip without it. Where the installed
+megatron-core is of another release series than the checkout, the runner imports the
+checkout's own megatron/core, whose dataset helpers Megatron-LM builds with make (pybind11).
 """
 
 from __future__ import annotations
@@ -24,21 +28,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_snake.megatron_lm.version import SUPPORTED_TAG, checkout_version, supported
+from megatron_snake import releases
+from megatron_snake.megatron_lm.version import SUPPORTED, checkout_version
 
 ENV = "MEGATRON_LM_DIR"
 RUN_TIMEOUT_S = 600
+ROOT = Path(__file__).resolve().parents[2]   # the megatron_snake the runs import
 
-# A tiny GPT that trains on the CPU in seconds; the last four flags are what the CPU needs.
+# A tiny GPT that trains on the CPU in seconds; the last four flags are what the CPU needs
+# (on a GPU without Transformer Engine or Apex the last three too; NCCL there).
 TINY_FLAGS = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3",
     "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion",
+    "--distributed-backend", "nccl" if torch.cuda.is_available() else "gloo",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
 ]
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|(.*)")
@@ -81,16 +89,22 @@ def parse_log(output: str) -> tuple[dict, dict, dict]:
 
 @pytest.fixture(scope="session")
 def megatron_lm_dir() -> Path:
-    """The checkout named by MEGATRON_LM_DIR; skips unless it is at the supported tag."""
+    """The checkout named by MEGATRON_LM_DIR; skips unless it is at a supported release."""
     path = os.environ.get(ENV)
     if not path:
-        pytest.skip(f"set {ENV} to a Megatron-LM checkout at tag {SUPPORTED_TAG} to run these")
+        pytest.skip(f"set {ENV} to a Megatron-LM checkout ({SUPPORTED}) to run these")
     checkout = Path(path).resolve()
     found = checkout_version(checkout)
-    if not (checkout / "pretrain_gpt.py").is_file() or found is None or not supported(found):
-        pytest.skip(f"{ENV}={path} is not a Megatron-LM checkout at tag {SUPPORTED_TAG} "
+    if not (checkout / "pretrain_gpt.py").is_file() or releases.release_of(found or "") is None:
+        pytest.skip(f"{ENV}={path} is not a Megatron-LM checkout of {SUPPORTED} "
                     f"(megatron/core/package_info.py: {found})")
     return checkout
+
+
+@pytest.fixture(scope="session")
+def release(megatron_lm_dir) -> releases.Release:
+    """The release of the checkout (what differs between releases: ``megatron_snake.releases``)."""
+    return releases.release_of(checkout_version(megatron_lm_dir))
 
 
 @pytest.fixture
@@ -121,10 +135,11 @@ def _launch(command: list[str], env: dict, cwd: Path, log: Path) -> Run:
     return Run(returncode, output, *parse_log(output))
 
 
-def _base_env() -> dict:
+def _base_env(pythonpath: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "SNAKE_DEBUG", "CUDA_DEVICE_MAX_CONNECTIONS")}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (ROOT, pythonpath) if p is not None)
     return env
 
 
@@ -184,9 +199,7 @@ def launch_pretrain_gpt(megatron_lm_dir: Path, log: Path, *flags: str, nproc: in
     for the run (a script outside the checkout finds ``megatron.training`` through it; the
     runner moves a checkout there after site-packages). Usable from fixtures of any scope
     (``pretrain_gpt`` and ``torchrun_pretrain_gpt`` are tied to one test's tmp_path)."""
-    env = _base_env()
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    env = _base_env(pythonpath)
     runner = ["-m", "megatron_snake.megatron_lm",
               str(script or megatron_lm_dir / "pretrain_gpt.py")]
     if nproc == 1:

@@ -1,33 +1,67 @@
 """Megatron-LM's own pretrain_gpt.py, without --snake-offload, through the plug-in's runner:
-it trains on the CPU, and a torch_dist checkpoint resumes to the same losses. (Skips unless
-MEGATRON_LM_DIR names a checkout at tag core_v0.16.1; see conftest.py.)"""
+it trains on the CPU, imports the megatron.core of the checkout's release, and a torch_dist
+checkpoint resumes to the same losses. (Skips unless MEGATRON_LM_DIR names a checkout of a
+supported release; see conftest.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from megatron_snake.megatron_lm.version import check_megatron_lm
+from megatron_snake import releases
 
-from .conftest import TINY_FLAGS, assert_trained
+from .conftest import ROOT, TINY_FLAGS, assert_trained
 
 
-def test_the_checkout_passes_the_version_pin(megatron_lm_dir):
-    check_megatron_lm(megatron_lm_dir)
+def installed_series() -> str:
+    """The series of the megatron-core installed beside this interpreter (not imported: the
+    checkout's may be the one to import)."""
+    code = ("import importlib.util, os, sys; from megatron_snake import releases; "
+            "spec = importlib.util.find_spec('megatron.core'); "
+            "print(releases.series_of(releases.version_at(os.path.dirname(os.path.dirname("
+            "os.path.dirname(spec.origin)))) or '') if spec else '')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT).stdout.strip()
+
+
+def test_the_checkout_passes_the_version_check(megatron_lm_dir, release):
+    # In a child: the checkout's megatron.core may be the one to import
+    code = (f"import sys; sys.path.insert(0, {str(megatron_lm_dir)!r}); "
+            "from megatron_snake.megatron_lm.version import check_megatron_lm; "
+            f"print(check_megatron_lm({str(megatron_lm_dir)!r}).tag)")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split()[-1] == release.tag
 
 
 def test_the_cpu_patch_sites_match_the_checkout(megatron_lm_dir):
     # In a child: importing megatron.training here would change this process for other tests.
-    code = (f"import sys; sys.path.append({str(megatron_lm_dir)!r}); "
+    code = (f"import sys; sys.path.insert(0, {str(megatron_lm_dir)!r}); "
             "from megatron_snake.compat import megatron_lm_on_cpu; "
             "megatron_lm_on_cpu.check_patched_sites()")
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_the_runner_imports_the_megatron_core_of_the_checkouts_release(pretrain_gpt,
+                                                                       megatron_lm_dir, release):
+    """The installed megatron-core where it is of the checkout's series, else the checkout's
+    own megatron/core: the runner's first line says which."""
+    run = pretrain_gpt(*TINY_FLAGS, "--train-iters", "1", "--eval-iters", "0").check()
+    line = re.search(r"> megatron_snake.megatron_lm: Megatron-LM at (\S+) \((\S+)'s series\), "
+                     r"megatron.core (\S+) from (\S+)", run.output)
+    assert line, run.output[-4000:]
+    assert (line.group(1), line.group(2)) == (str(megatron_lm_dir), release.tag)
+    assert releases.series_of(line.group(3)) == release.series
+    own = str(megatron_lm_dir / "megatron" / "core")
+    assert (line.group(4) == own) == (installed_series() != release.series), line.group(0)
 
 
 def test_one_process_trains_from_inside_the_checkout(pretrain_gpt, megatron_lm_dir):
@@ -44,15 +78,18 @@ def test_two_processes_train(torchrun_pretrain_gpt, parallel):
 
 @pytest.mark.parametrize("first", ["install", "import_megatron_training"])
 def test_a_custom_entry_script_installs_the_plugin_itself(pretrain_gpt, megatron_lm_dir, tmp_path,
-                                                          first):
+                                                          first, release):
     """``snake.install()`` at the top of a script of one's own, before megatron.training is
-    imported, or after it (which needs triton: the CPU patch I cannot come first then)."""
+    imported, or after it (which needs triton: the CPU patch I cannot come first then). The
+    checkout goes after site-packages where the installed megatron-core is of its release,
+    before it (its own megatron/core) otherwise."""
     if first == "import_megatron_training" and importlib.util.find_spec("triton") is None:
         pytest.skip("importing megatron.training before install() needs triton")
+    where = "append" if installed_series() == release.series else "insert(0, "
     script = tmp_path / "my_pretrain.py"
     script.write_text(textwrap.dedent(f"""\
         import runpy, sys
-        sys.path.append({str(megatron_lm_dir)!r})  # after site-packages: the installed megatron-core
+        sys.path.{where}({str(megatron_lm_dir)!r}){"" if where == "append" else ")"}
         {"import megatron.training" if first != "install" else ""}
         import megatron_snake.megatron_lm as snake
         snake.install()
