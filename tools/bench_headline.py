@@ -30,13 +30,13 @@ share of the optimizer's update time hidden behind compute (1 - time the step wa
 update / time the updates took). The summary takes the median over rounds; the ratios are
 offloaded tokens/s / Megatron's, with full recompute and without.
 
-The batch: the saturating one, the fewest micro-batches whose compute covers the state's
-per-step traffic and optimizer: M = ceil(margin x F / c), where c is Megatron's step with
-full recompute per micro-batch (measured on its run first: a probe step) and F the larger
-of the offloaded run's own update time per step (a probe: an offloaded run at 3x of
---probe-mb micro-batches, one warm-up and one timed step) and the bytes the step moves over
-the host link (weights in both sweeps, fp32 gradients back) at the measured pinned copy
-rate; at most what fits ``--max-step-s`` per Megatron step. The update is measured, not
+The batch: the saturating one (``saturating_m``), the fewest micro-batches whose compute
+hides the state's per-step time: the host link's bytes (weights in both sweeps, fp32
+gradients back, at the measured pinned copy rate) behind the whole step, and the offloaded
+run's own update (a probe: an offloaded run at 3x of --probe-mb micro-batches, one warm-up
+and one timed step) behind the forward sweep alone, as these runs clip (a quarter of the
+step); c is Megatron's step with full recompute per micro-batch (a probe step on its run
+first); at most what fits ``--max-step-s`` per Megatron step. The update is measured, not
 taken from ``calibration.adamw_rate``: on an H200 the fused AdamW alone ran at 4.2G
 parameters/s (on every core), the run's update (unscale and clip, AdamW, the new bf16
 weights) at 1.3G, and the M chosen from the former left the optimizer exposed. ``--micro-batches`` sets M
@@ -98,6 +98,10 @@ sys.path.insert(0, ROOT)
 
 STATE_BYTES_PER_PARAM = 18   # bf16 weights 2 + fp32 gradient 4 + fp32 master and moments 12
 MEGATRON_MODES = ("full", "none")
+# The share of a full-recompute step's device work in its forward sweep: a forward of the
+# four a micro-batch costs (the forward, then in the backward sweep the recompute and the
+# backward, twice a forward: the activations' and the weights' gradients)
+FORWARD_SHARE = 0.25
 
 
 # --- the model and its sizes ---------------------------------------------------------
@@ -354,8 +358,9 @@ def release_gradient_hooks(model) -> None:
 
 # --- the saturating batch ---------------------------------------------------------------
 def calibrate(a, device, sizing: dict) -> dict:
-    """The per-step state time F of the offloaded run: the CPU AdamW over every parameter
-    and the host link's bytes (weights read in both sweeps, fp32 gradients written back)."""
+    """The per-step state times of the offloaded run: the update (the CPU AdamW over every
+    parameter, until ``probe_update`` measures the run's own) and the host link's bytes
+    (weights read in both sweeps, fp32 gradients written back)."""
     from megatron_snake.training.calibration import adamw_rate, copy_rate
 
     numel = (32 << 20) if device.type == "cuda" else (1 << 20)
@@ -367,26 +372,45 @@ def calibrate(a, device, sizing: dict) -> dict:
     adamw_s = n / adamw
     link_s = max(2 * elem * n, 4 * n) / link
     return {"adamw_params_per_s": adamw, "link_bytes_per_s": link, "adamw_s": adamw_s,
-            "link_s": link_s, "state_s": max(adamw_s, link_s)}
+            "link_s": link_s, "update_s": adamw_s, "state_s": max(adamw_s, link_s)}
 
 
 def probe_update(a, device, layers: int, sizing: dict, root: str, calib: dict) -> dict:
     """The offloaded run's own update seconds per step (a short run at the first state
-    ratio): F becomes the larger of it and the link's time (``calibrate``)."""
+    ratio): it replaces the AdamW's alone in ``calib``."""
     r = offloaded_run(a, device, layers, a.probe_mb, a.state_ratios[0], sizing, root,
                       warmup=1, steps=1)
     probe = {"micro_batches": a.probe_mb, "update_s": r.get("update_s"),
              "step_s": (r.get("step_s") or [None])[0], "error": r.get("error")}
     if r.get("update_s"):
+        calib["update_s"] = r["update_s"]
         calib["state_s"] = max(calib["link_s"], r["update_s"])
     return probe
 
 
-def saturating_m(a, state_s: float, per_mb_s: float) -> tuple[int, dict]:
-    want = math.ceil(a.margin * state_s / max(per_mb_s, 1e-9))
+def saturating_m(a, update_s: float, link_s: float, per_mb_s: float, *,
+                 clipped: bool) -> tuple[int, dict]:
+    """The fewest micro-batches whose device work hides the offloaded run's state time,
+    with --margin: M = ceil(margin x max(link_s, update_s / share) / c), c Megatron's
+    full-recompute step per micro-batch (the vertical schedule's device work is the same),
+    at most what --max-step-s and --max-micro-batches allow, at least --min-micro-batches.
+
+    The host link's copies (weights in both sweeps, gradients back) spread over the whole
+    step. The update does not, with clipping: it needs the step's global gradient norm,
+    known only at the step boundary, so all of it is deferred to the next forward sweep,
+    where each unit's update must end before its forward reads the new weights. It hides
+    behind the forward sweep alone, share = FORWARD_SHARE (a quarter of the step with full
+    recompute). Without clipping (and where a speculative update holds, the norm within
+    the clip) each unit's update starts when its gradient is final, in the backward sweep,
+    and only its alpha share waits for the next forward sweep: it hides behind the whole
+    step, share = 1."""
+    share = FORWARD_SHARE if clipped else 1.0
+    need_s = max(link_s, update_s / share)
+    want = math.ceil(a.margin * need_s / max(per_mb_s, 1e-9))
     cap = max(a.min_micro_batches, int(a.max_step_s / max(per_mb_s, 1e-9)))
     m = max(a.min_micro_batches, min(want, cap, a.max_micro_batches))
-    return m, {"wanted": want, "time_cap": cap, "chosen": m}
+    return m, {"wanted": want, "time_cap": cap, "chosen": m, "clipped": clipped,
+               "hidden_behind_share": share, "state_s": need_s}
 
 
 # --- the trace of one steady step --------------------------------------------------------
@@ -505,8 +529,13 @@ def compare(a, device) -> int:
               flush=True)
 
     def choose_m(per_mb_s):
-        m, how = saturating_m(a, calib["state_s"], per_mb_s)
-        report["saturation"].update(how, per_micro_batch_s=per_mb_s)
+        """The saturating M of these runs, clipped at --clip-grad's default 1.0; the
+        unclipped one is recorded beside it."""
+        how = {name: saturating_m(a, calib["update_s"], calib["link_s"], per_mb_s,
+                                  clipped=clipped)[1]
+               for name, clipped in (("clipped", True), ("unclipped", False))}
+        m = how["clipped"]["chosen"]
+        report["saturation"].update(how, chosen=m, per_micro_batch_s=per_mb_s)
         return m
 
     a.choose_m = choose_m
