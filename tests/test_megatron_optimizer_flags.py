@@ -69,6 +69,19 @@ def test_cpu_offload_on_a_gpu_reaches_megatrons_config(monkeypatch):
     assert config.exp_avg_dtype == config.main_params_dtype == torch.float32
 
 
+def test_the_transformer_engine_version_check_stands_in_its_place():
+    """Without Transformer Engine the config is built as for one older than 2.1
+    (``_transformer_engine_older_than_2_1``): the check it stands in for is still where
+    Megatron-Core asks it."""
+    import inspect
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import optimizer_config as module
+
+    assert 'is_te_min_version("2.1.0")' in inspect.getsource(OptimizerConfig.__post_init__)
+    assert hasattr(module, "is_te_min_version")
+
+
 def _losses(megatron_world, extra: list[str]) -> list[float]:
     from megatron_snake.schedule.loss import report_losses
     from megatron_snake.training.arguments import parse_args

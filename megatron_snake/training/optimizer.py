@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 from contextlib import contextmanager
 from unittest import mock
 
@@ -26,28 +25,24 @@ from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.zenflow import ZenFlowAdamW
 
-TE_VERSION_CHECK = 'is_te_min_version("2.1.0")'
-
-
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    with _without_transformer_engine():
-        return _optimizer_config(args)
+    if args.use_precision_aware_optimizer and \
+            importlib.util.find_spec("transformer_engine") is None:
+        with _transformer_engine_older_than_2_1():
+            return _optimizer_config(args)
+    return _optimizer_config(args)
 
 
 @contextmanager
-def _without_transformer_engine():
+def _transformer_engine_older_than_2_1():
     """Megatron-Core 0.16.1's ``OptimizerConfig.__post_init__`` asks
     ``is_te_min_version("2.1.0")`` under --use-precision-aware-optimizer, which raises a
     TypeError (None >= Version) where Transformer Engine is not installed, although the
     CPU offload that Megatron-LM requires the flag for runs no Transformer Engine code. So
     without it the config is built as with a Transformer Engine older than 2.1: the only
     effect is ``store_param_remainders = False``, which the hybrid optimizer's update never
-    reads (it keeps fp32 masters on the host)."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        yield
-        return
-    assert TE_VERSION_CHECK in inspect.getsource(OptimizerConfig.__post_init__), \
-        "Megatron-Core's OptimizerConfig moved; review _without_transformer_engine"
+    reads (it keeps fp32 masters on the host). tests/test_megatron_optimizer_flags.py checks
+    that the call is still there."""
     with mock.patch.object(optimizer_config_module, "is_te_min_version",
                            lambda *a, **k: False):
         yield
