@@ -135,12 +135,33 @@ def test_saturating_batch_covers_the_state_time_within_the_caps():
     import bench_headline as bh
 
     a = bh.parser().parse_args([])
-    m, how = bh.saturating_m(a, state_s=0.8, per_mb_s=0.1)    # 1.25 x 0.8 / 0.1 = 10
-    assert m == 10 and how["wanted"] == 10
-    m, _ = bh.saturating_m(a, state_s=10.0, per_mb_s=0.2)     # wants 63: --max-step-s 3
-    assert m == 15
-    m, _ = bh.saturating_m(a, state_s=0.01, per_mb_s=0.2)     # never under the minimum
-    assert m == a.min_micro_batches
+    # without clipping the update hides behind the whole step: 1.25 x 0.8 / 0.1 = 10
+    m, how = bh.saturating_m(a, update_s=0.8, link_s=0.1, per_mb_s=0.1, clipped=False)
+    assert m == 10 and how["wanted"] == 10 and how["hidden_behind_share"] == 1.0
+    m, _ = bh.saturating_m(a, update_s=10.0, link_s=0.1, per_mb_s=0.2, clipped=False)
+    assert m == 15                                      # wants 63: --max-step-s 3
+    m, _ = bh.saturating_m(a, update_s=0.01, link_s=0.0, per_mb_s=0.2, clipped=False)
+    assert m == a.min_micro_batches                     # never under the minimum
+
+
+def test_saturating_batch_with_clipping_hides_the_update_behind_the_forward_sweep():
+    """With clipping the whole update waits for the norm and runs in the next forward sweep
+    (a quarter of a full-recompute step's device work): four times the micro-batches of the
+    unclipped batch; the host link's copies spread over the whole step either way."""
+    import bench_headline as bh
+
+    a = bh.parser().parse_args([])
+    assert bh.FORWARD_SHARE == 0.25
+    clipped, how = bh.saturating_m(a, update_s=0.2, link_s=0.1, per_mb_s=0.1, clipped=True)
+    unclipped, _ = bh.saturating_m(a, update_s=0.2, link_s=0.1, per_mb_s=0.1, clipped=False)
+    assert (clipped, unclipped) == (10, 3)              # 1.25 x 0.8 / 0.1; 1.25 x 0.2 / 0.1
+    assert how["hidden_behind_share"] == 0.25 and how["state_s"] == pytest.approx(0.8)
+    # the link bound is the same clipped or not
+    for clip in (True, False):
+        m, _ = bh.saturating_m(a, update_s=0.05, link_s=0.5, per_mb_s=0.1, clipped=clip)
+        assert m == 7                                   # 1.25 x 0.5 / 0.1 = 6.25
+    m, how = bh.saturating_m(a, update_s=1.0, link_s=0.1, per_mb_s=0.2, clipped=True)
+    assert how["wanted"] == 25 and m == 15              # the time cap still holds
 
 
 def test_offloaded_runs_leave_room_for_activations():

@@ -5,9 +5,10 @@
 # fits one command with a minute to spare, and a step cut short can be run again alone
 # (SNAKE_GPU_ONLY) in what is left. In order of value:
 #
-#   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 10x the memory given) vs
-#                                            # Megatron with and without full recompute;
-#                                            # the trace of one steady step
+#   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 2x the memory given) vs
+#                                            # Megatron with and without full recompute and
+#                                            # Megatron's CPU offload, clip on and off, then
+#                                            # the curve over M; the trace of one steady step
 #   bash tools/gpu_check.sh OUTDIR plugin    # Megatron-LM's pretrain_gpt.py with the plug-in on
 #                                            # megatron-core 0.19: equal to plain Megatron-LM
 #                                            # in fp32, checkpoints both ways; bf16 tokens/s
@@ -46,9 +47,13 @@
 # sequences 2.1 s with full recompute, the 95 tests 68 s, the drive 2-3 GB/s) and this
 # machine's dry run (SNAKE_GPU_DRY=1: set-up's install 4-12 s, its imports the rest):
 #   set-up                 install 5 s, env.txt's imports 10-15 s
-#   headline (330)         about 15 s of imports, then rounds of about 70 s (Megatron: build,
-#                          probe, 4 steps a mode; two offloaded builds and 4 steps each) while
-#                          its --time-budget 290 lasts: two rounds and part of a third
+#   headline (330)         about 15 s of imports and the offloaded probe (25 s), then runs in
+#                          order of value while its --time-budget 290 lasts: Megatron (build,
+#                          probe, 4 steps a mode and clip: 50 s at the saturating M, its step
+#                          up to --max-step-s 3 s), ours 3x (35 s), Megatron's CPU offload at
+#                          2x (40 s) and 3x (out of memory: 15 s), ours 2x and ours without
+#                          clipping (35 s each); the curve's other M mostly does not fit, and
+#                          is a second call's (docs/benchmarks.md)
 #   headline_trace (115)   imports, a build, a warm-up and the recorded step, the export and
 #                          the analysis: 55 s on an H200 at M 3 (the NVMe-bound 1B step's 110 s)
 #   optimizer_threads (35) imports, 6 trials of 1.5 s and their buffers: 20-25 s
@@ -204,13 +209,15 @@ step() {
 part_headline() {
     local size
     size=$(dry $TINY_GPT --rounds 1 --steps 1 --max-micro-batches 2 --time-budget 60)
-    # tokens/s, TFLOP/s per GPU, both ratios and the hidden optimizer share at state 3x and
-    # 10x the memory given; the model sized by the device's memory (bench_headline.py)
+    # tokens/s, TFLOP/s per GPU and the ratios of ours (state 3x and 2x the memory given) to
+    # Megatron with and without full recompute and to Megatron's CPU offload (2x, 3x), clip
+    # on and off, then the curve over M while the budget lasts; the model sized by the
+    # device's memory (bench_headline.py); the plot of tokens/s over M
     step headline 330 "$PY" tools/bench_headline.py --dir "$SCRATCH/headline" \
-        --time-budget 290 --json-out "$OUTDIR/headline.json" $size \
-        ${SNAKE_BENCH_HEADLINE_FLAGS:-}
-    # one steady step of the 3x run at its batch: GPU idle %, every gap over 1 ms and what
-    # the host did in it (trace/gaps.json, trace/timeline.png)
+        --time-budget 290 --json-out "$OUTDIR/headline.json" \
+        --plot "$OUTDIR/headline_curve.png" $size ${SNAKE_BENCH_HEADLINE_FLAGS:-}
+    # one steady step of the 3x run at its batch, clip on: GPU idle %, every gap over 1 ms and
+    # what the host did in it (trace/gaps.json, trace/timeline.png)
     step headline_trace 115 "$PY" tools/bench_headline.py --dir "$SCRATCH/trace" \
         --trace-dir "$OUTDIR/trace" --from "$OUTDIR/headline.json" $size \
         ${SNAKE_BENCH_HEADLINE_FLAGS:-}

@@ -14,6 +14,7 @@ Megatron flags combine live here; those about the --snake-* flags in ``snake_arg
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ import torch
 from megatron_snake.optim.adamw import check_clip_grad
 from megatron_snake.optim.precision import check_precision_args, map_precision_args
 from megatron_snake.training.distributed import data_parallel_size
+from megatron_snake.training.optimizer import check_cpu_offload_device
 from megatron_snake.training.snake_args import add_snake_args
 from megatron_snake.training.snake_args import check_rule as _check
 from megatron_snake.training.snake_args import fail as _fail
@@ -49,7 +51,8 @@ AT_LEAST_ZERO = ("--eval-interval", "--eval-iters", "--lr-warmup-iters", "--lr",
 POSITIVE = ("--distributed-timeout-minutes", "--exit-duration-in-mins", "--norm-epsilon",
             "--adam-eps", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
             "--loss-scale-window")
-FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction")
+FRACTIONS = ("--hidden-dropout", "--attention-dropout", "--lr-warmup-fraction",
+             "--optimizer-offload-fraction")
 OPEN_UNIT = ("--adam-beta1", "--adam-beta2")   # torch's and Megatron's rule for Adam's betas
 ABOVE_ZERO_TO_ONE = ("--rotary-percent",)
 RANGES = ((AT_LEAST_ONE, lambda v: v >= 1, ">= 1"),
@@ -195,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    # Megatron-LM's distributed optimizer and optimizer CPU offload (names and defaults of
+    # its core_v0.16.1 arguments.py), for the run without --snake-offload
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's optimizer state sharded over the data-parallel ranks")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Megatron's optimizer state and update on the host (a GPU run)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="share of the state --optimizer-cpu-offload puts on the host")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="overlap the host update with its copies to and from the GPU")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
@@ -212,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Megatron-LM's precision-aware optimizer flags (names, choices and defaults of its
     # core_v0.16.1 arguments.py); the offloaded AdamW honours them (optim/precision.py)
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
-                   help="store optimizer states in the dtypes below (needs --snake-offload)")
+                   help="store optimizer states in the dtypes below (--snake-offload, or "
+                        "--optimizer-cpu-offload)")
     for flag, (choices, what) in {
             "--main-grads-dtype": (("fp32", "bf16"), "gradients' dtype for the update "
                                    "(bf16: with --bf16)"),
@@ -487,13 +501,60 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 def _validate_precision(args, parser) -> None:
     """Megatron-LM's precision-aware optimizer flags: Megatron-Core's rules
     (``check_precision_args``), then the dtype names become torch dtypes, as Megatron-LM's
-    ``validate_args`` makes them. Megatron-Core's own optimizer runs them only through
-    Transformer Engine's FusedAdam on a GPU with its distributed optimizer, which the run
-    without --snake-offload does not use: there they are refused."""
+    ``validate_args`` makes them. With --snake-offload the offloaded AdamW honours them;
+    without it they are Megatron's optimizer's (``_validate_megatron_optimizer``)."""
     _check(parser, check_precision_args, args)
-    if args.use_precision_aware_optimizer and not args.snake_offload:
-        _fail(parser, "--use-precision-aware-optimizer", "Megatron-Core runs it only with "
-              "Transformer Engine's FusedAdam on a GPU and its distributed optimizer, which "
-              "this run's optimizer is not; add --snake-offload (the offloaded AdamW honours "
-              "it on the CPU) or drop the flag")
+    _validate_megatron_optimizer(args, parser)
     map_precision_args(args)
+
+
+def _validate_megatron_optimizer(args, parser) -> None:
+    """The run without --snake-offload builds Megatron-Core's optimizer from these flags, so
+    it takes Megatron-LM's rules (core_v0.16.1): --optimizer-cpu-offload needs
+    --use-precision-aware-optimizer (Megatron-LM's validate_args), which needs the
+    distributed optimizer (OptimizerConfig) and, without the offload, Transformer Engine's
+    FusedAdam. Megatron-Core's hybrid optimizer keeps the master weights and moments in fp32
+    on the host whatever the dtype flags say, so other dtypes are refused there rather than
+    ignored; gradients in bf16 are its DDP's buffer (Megatron-LM's fp32 accumulation off).
+    With --snake-offload the offloaded AdamW is Megatron's CPU offload's counterpart and
+    is sharded over the data-parallel ranks already (--use-distributed-optimizer is
+    accepted, as the Megatron-LM plug-in absorbs it)."""
+    if args.snake_offload:
+        for flag in ("--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                _fail(parser, flag, "--snake-offload already keeps the optimizer state off "
+                      "the GPU (--snake-optimizer-tier): drop the flag")
+        return
+    if args.snake_zenflow:
+        for flag in ("--use-distributed-optimizer", "--optimizer-cpu-offload",
+                     "--use-precision-aware-optimizer"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                _fail(parser, flag, "configures Megatron's optimizer, which --snake-zenflow "
+                      "replaces with its own split AdamW; drop one of the two")
+    if args.overlap_cpu_optimizer_d2h_h2d and not args.optimizer_cpu_offload:
+        _fail(parser, "--overlap-cpu-optimizer-d2h-h2d", "overlaps the copies of "
+              "--optimizer-cpu-offload; add it or drop the flag")
+    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
+        _fail(parser, "--optimizer-cpu-offload", "Megatron-LM runs it only with "
+              "--use-precision-aware-optimizer (its hybrid optimizer reuses that code path); "
+              "add it")
+    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
+        _fail(parser, "--use-precision-aware-optimizer", "Megatron-Core runs it only with its "
+              "distributed optimizer; add --use-distributed-optimizer (or --snake-offload, "
+              "whose offloaded AdamW honours it)")
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload and \
+            importlib.util.find_spec("transformer_engine") is None:
+        _fail(parser, "--use-precision-aware-optimizer", "without --optimizer-cpu-offload "
+              "Megatron-Core runs it with Transformer Engine's FusedAdam, which is not "
+              "installed; add --optimizer-cpu-offload or --snake-offload (the offloaded AdamW "
+              "honours it on the CPU), or drop it")
+    if not args.optimizer_cpu_offload:
+        return
+    for flag in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != "fp32":
+            _fail(parser, flag, f"{value} would be ignored: Megatron's --optimizer-cpu-offload "
+                  "keeps the master weights and Adam's moments in fp32 on the host; drop the "
+                  "flag, or use --snake-offload, which honours it")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    _check(parser, check_cpu_offload_device, "cuda" if cuda else "cpu")

@@ -169,7 +169,11 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
             forward_backward = make_forward_backward(args, tensor_store, device, state.weights,
                                                      state.units)
         else:
-            model = wrap_ddp(gpt)
+            # Megatron-LM's DDP config: gradients accumulate in fp32 unless --main-grads-dtype
+            # bf16 turns that off (its validate_args), and the distributed optimizer's
+            # reduce-scatter with --use-distributed-optimizer
+            model = wrap_ddp(gpt, use_distributed_optimizer=args.use_distributed_optimizer,
+                             grad_reduce_in_fp32=args.main_grads_dtype == torch.float32)
             if args.snake_zenflow:  # approximate: says so at start and in every log line
                 optimizer, scheduler = build_zenflow_optimizer(args, model)
                 log(optimizer.summary())
