@@ -106,24 +106,26 @@ def test_offloaded_adamw_equals_megatron_plus_torch_adamw(megatron_world, tmp_pa
         assert torch.equal(ours, ref), f"{name}: not bit-identical"
 
 
-@pytest.mark.parametrize("clip,misses", [(0.5, 5), (1.5, 3), (100.0, 0)],
+@pytest.mark.parametrize("clip,steps,misses", [(0.5, 1, 1), (1.5, 2, 1), (100.0, 5, 0)],
                          ids=["the clip binds", "binds, then not", "never binds"])
 @pytest.mark.parametrize("alpha", [0.0, 0.25])
 def test_speculative_updates_are_exact_whether_the_clip_binds_or_not(
-        megatron_world, tmp_path, clip, misses, alpha):
+        megatron_world, tmp_path, clip, steps, misses, alpha):
     """With clipping, each backward part is updated in the backward sweep as if the clip
     coefficient were 1, out of place; the step keeps that state when the norm is within
-    --clip-grad, else it updates the part again from the old state with the coefficient.
-    The norms here fall from 2.5 to 1.26 over five steps, so a clip of 0.5 binds every step,
-    1.5 the first three, 100 none: each run's weights after five steps are those of
-    Megatron's schedule with torch's clip_grad_norm_ and fused AdamW, bit for bit."""
+    --clip-grad, else it updates the part again from the old state with the coefficient,
+    and the next step does not speculate. The norms here fall from 2.5 to 1.26 over five
+    steps, so a clip of 0.5 binds every step (step 1 speculates), 1.5 the first three (steps
+    1 and 5 speculate, the first missing), 100 none (every step speculates and keeps it):
+    each run's weights after five steps are those of Megatron's schedule with torch's
+    clip_grad_norm_ and fused AdamW, bit for bit."""
     pairs = _train_both(megatron_world, tmp_path, ("--untie-embeddings-and-output-weights",
                                                    "--position-embedding-type", "rope"),
                         2, clip, alpha, speculate=True)
     for name, (ours, ref) in pairs.items():
         assert torch.equal(ours, ref), f"{name}: not bit-identical"
     layouts = 3   # 5 layers in units of 2, untied: no shared layout
-    assert _snake.speculation == (STEPS * layouts, misses * layouts)
+    assert _snake.speculation == (steps * layouts, misses * layouts)
 
 
 def test_offloaded_adamw_tied_three_microbatches(megatron_world, tmp_path):

@@ -62,6 +62,7 @@ import megatron_snake.timeline as timeline  # noqa: E402
 from megatron_snake.models.emulated_compute import emulate_compute, unit_forward_flops  # noqa: E402
 from megatron_snake.storage.host_heap import keep_freed_host_memory  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
+from megatron_snake.optim.cpu_threads import usable_cores  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
 from megatron_snake.training.calibration import copy_rate, drive_rates, update_rate  # noqa: E402
@@ -211,8 +212,9 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             after = drive_rates(store)
             if step < a.warmup:
                 if tune is not None:
-                    tflops, link = tune(opt.update_s - update0, forward_flops / (tflops * 1e12),
-                                        tflops)
+                    read = opt.update_phase_s["read"] - phases0.get("read", 0.0)
+                    tflops, link = tune(opt.update_s - update0 - read,
+                                        forward_flops / (tflops * 1e12), tflops)
                 continue
             rates = dict(fixed, drive_read=(before["read"] + after["read"]) / 2,
                          drive_write=(before["write"] + after["write"]) / 2)
@@ -242,7 +244,9 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             "vs_megatron_full_recompute": statistics.median(full) if emulate else None,
             "vs_megatron_no_recompute": 0.75 * statistics.median(full) if emulate else None,
             "megatron_full_recompute_s": 4 * forward_s, "forward_s": forward_s,
-            "update_over_compute": statistics.median(r["update_s"] for r in rows)
+            # the update's work, without its waits for inputs the device has not produced
+            "update_over_compute": statistics.median(
+                r["update_s"] - r["update_phase_s"]["read"] for r in rows)
             / (4 * forward_s) if emulate else None}
 
 
@@ -262,8 +266,11 @@ def saturating_microbatches(a, tflops: float, link: float | None, device) -> tup
 # 1.58 s with full recompute: about 0.9 of the compute. The pinned host-to-GPU copies ran at
 # 52.8 GB/s while the device computed at 127 x 4/3 TFLOP/s (Megatron's model FLOP/s counts
 # no recompute): the link's time per FLOP is kept too. The model is scaled down to fit this
-# machine (16 layers of hidden 1024, the H200's sequence, vocabulary and micro-batch); the
-# device's rate is then set so that the update is 0.9 of the step's compute here.
+# machine (16 layers of hidden 1024, the H200's sequence, vocabulary and micro-batch).
+# The device is the H200 relative to its host: its rate is set by a calibration run of the
+# design the H200 measured (``BASELINE_FLAGS``: no speculative update, the update's team on
+# every core, as at `bde0303`), at which that run's update is 0.9 of the step's compute
+# here; the configuration asked for then runs on that device.
 PRESETS = {
     "h200-headline": {
         "layers": 16, "hidden": 1024, "heads": 8, "seq": 2048, "micro_batch_size": 1,
@@ -274,14 +281,17 @@ PRESETS = {
         "update_over_compute": 0.9, "link_bytes_per_flop": 52.8e9 / (127.0 * 4 / 3 * 1e12),
     },
 }
+BASELINE_FLAGS = "--snake-speculate off --snake-optimizer-threads {cores}"
 
 
 def preset_tuning(a, log: list):
-    """``measure``'s ``tune`` for a preset: after each warm-up step, the device's rate at
-    which that step's compute (with full recompute: four forwards) is its update /
-    ``update_over_compute``, and the link's at the preset's bytes per FLOP. The update's
-    seconds depend a little on the device's rate (its puts queue behind the link's
-    copies), so the warm-up steps iterate to the fixed point; ``log`` gets each step's."""
+    """``measure``'s ``tune`` for a preset's calibration run: after each warm-up step, the
+    device's rate at which that step's compute (with full recompute: four forwards) is its
+    update / ``update_over_compute``, and the link's at the preset's bytes per FLOP. The
+    update's seconds depend a little on the device's rate (its puts queue behind the link's
+    copies), so the warm-up steps iterate to the fixed point; ``log`` gets each step's.
+    The update's seconds leave out its wait for its inputs (a gradient the device has not
+    produced yet is no work of the update's)."""
     def tune(update_s: float, forward_s: float, tflops: float):
         if not update_s:   # the first step: its updates run in the next one (the clip)
             return tflops, tflops * 1e12 * a.link_bytes_per_flop
@@ -290,6 +300,17 @@ def preset_tuning(a, log: list):
         log.append({"update_s": update_s, "tflops_before": tflops, "tflops": new})
         return new, new * 1e12 * a.link_bytes_per_flop
     return tune
+
+
+def preset_device(a, device, log: list) -> tuple[float, float, dict]:
+    """The preset's emulated TFLOP/s and link bytes/s, from a calibration run of the
+    baseline design (``BASELINE_FLAGS``) tuned over its warm-up steps, and that run."""
+    base = argparse.Namespace(**vars(a))
+    base.snake_flags = f"{a.snake_flags} " + BASELINE_FLAGS.format(cores=usable_cores())
+    run = measure(base, a.micro_batches, a.emulated_tflops or 20.0, device, steps=1,
+                  link=(a.emulated_tflops or 20.0) * 1e12 * a.link_bytes_per_flop,
+                  tune=preset_tuning(a, log))
+    return run["emulated_tflops"], run["emulated_link_GBps"] * 1e9, run
 
 
 def main(argv=None) -> int:
@@ -340,13 +361,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cpu")
     distributed.initialize(device=device)
-    tuning, tune, drive_gbps = [], None, None
+    tuning, calibration, drive_gbps = [], None, None
     if a.update_over_compute:
-        # a preset's device is scaled to its update, not to the drive (its state is on the
-        # host): set in the warm-up steps, from a first guess
-        tune = preset_tuning(a, tuning)
-        tflops = a.emulated_tflops or 20.0
-        link = tflops * 1e12 * a.link_bytes_per_flop
+        # a preset's device is scaled to the baseline's update, not to the drive (its state
+        # is on the host)
+        tflops, link, calibration = preset_device(a, device, tuning)
+        print(f"preset {a.preset}: the baseline's warm-up updates "
+              + ", ".join(f"{t['update_s']:.2f}" for t in tuning)
+              + f" s: the device at {tflops:.2f} TFLOP/s, host link {link / 1e9:.2f} GB/s; "
+              f"the baseline (the design the GPU measured) ÷ Megatron with full recompute "
+              f"{calibration['vs_megatron_full_recompute']:.3f}", flush=True)
     else:
         # The emulated device: the GPU's TFLOP/s scaled by this drive over the GPU's drive.
         args = parse_args(gpt_flags(a, 1))
@@ -368,15 +392,10 @@ def main(argv=None) -> int:
         batches = (saturating, max(1, saturating // 2))
     results = {"config": vars(a), "drive_GBps": drive_gbps, "emulated_tflops": tflops,
                "emulated_link_GBps": link / 1e9 if link else None, "probe": probe,
-               "preset_tuning": tuning, "runs": []}
+               "preset_tuning": tuning, "preset_baseline": calibration, "runs": []}
     for num_mb in batches:
-        out = measure(a, num_mb, tflops, device, steps=a.steps, link=link, tune=tune,
+        out = measure(a, num_mb, tflops, device, steps=a.steps, link=link,
                       trace=a.trace if num_mb == saturating else None)
-        if tune is not None:
-            print(f"preset {a.preset}: the warm-up steps' update "
-                  + ", ".join(f"{t['update_s']:.2f}" for t in tuning[-a.warmup:])
-                  + f" s: the device at {out['emulated_tflops']:.2f} TFLOP/s, host link "
-                  f"{out['emulated_link_GBps']:.2f} GB/s", flush=True)
         results["runs"].append(out)
         step = out["steps"][-1]
         print(f"M={num_mb:3d} ({out['tokens_per_step']} tokens/step): measured "
@@ -402,7 +421,8 @@ def main(argv=None) -> int:
               f"{out['bound_over_measured']:.3f}")
     for out in results["runs"]:
         print(f"M={out['micro_batches']}: update {out['update_s_per_step']:.2f} s a step "
-              f"({out['update_over_compute']:.2f} of Megatron's step with full recompute); "
+              f"(its work {out['update_over_compute']:.2f} of Megatron's step with full "
+              f"recompute); "
               f"Megatron on the emulated device / measured (tokens/s ours / Megatron's): "
               f"full recompute {out['vs_megatron_full_recompute']:.3f}, no recompute "
               f"{out['vs_megatron_no_recompute']:.3f}")

@@ -113,6 +113,10 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._deferred: dict = {}    # (key, part) -> StepHyper, waiting for the next forward
         self.speculate = frozenset(speculate) if self.precision.speculable else frozenset()
         self._speculated: dict = {}  # (key, part) -> StepHyper, updated out of place
+        # whether the last step kept its speculative state (the clip did not bind, nothing
+        # overflowed): a clip that binds tends to bind again (warm-up, mock data), so a step
+        # after one that bound does not speculate, and wastes no update on it
+        self._last_step_kept = True
         # parts updated speculatively, and those of them updated again (the clip bound or
         # an fp16 gradient overflowed), over the run
         self.speculated = self.speculation_misses = 0
@@ -319,7 +323,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                 self._device_gradients.append(handle)
             if part == "bwd" and not self._needs_step():
                 self.updates.submit(key, part, self._hyper)
-            elif part == "bwd" and key in self.speculate:
+            elif part == "bwd" and key in self.speculate and self._last_step_kept:
                 # Speculation, then validation (SuperOffload): updated now as if the clip
                 # coefficient were 1 and no gradient overflowed, out of place; the step
                 # boundary keeps the new state, or updates the part again from the old.
@@ -373,6 +377,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                 self._hyper, self._norms = None, {}
                 self._drop_read_ahead()   # before the weights are made again from that state
                 self._discard_speculation(speculated, skipped=True)
+                self._last_step_kept = False
                 return False, None, None
         # The 2-norm of the per-parameter norms, in parameter order, in fp32 (Megatron's
         # formula; on the CPU the same arithmetic as torch.nn.utils.clip_grad_norm_, on a
@@ -393,6 +398,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             # 1 (times 1 changes no bit, and costs a pass over every gradient on the CPU)
             coef = clip_coefficient(self.clip_grad, total)
             self._clip_coef = coef if float(coef) < 1.0 else None
+        self._last_step_kept = self._clip_coef is None
         if self._clip_coef is None:   # what the speculation assumed: its state is the step's
             self._commit_speculation(speculated)
         else:
