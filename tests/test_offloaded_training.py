@@ -34,15 +34,15 @@ def _reference(model, batches, clip):
 
 
 def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical_forward_backward,
-           speculate=False):
+           speculate=False, device_share=()):
     units = GPTUnits(model, interval)
     params = UnitParams.of(units)
     with TensorStore(offload_dir, rank=0, host_memory_limit=256 << 20) as tstore:
         opt = OffloadedAdamW(params, tstore, lr=LR, weight_decay=WD, clip_grad=clip,
                              alpha=alpha, speculate=[lay.key for lay in params.all_layouts()]
-                             if speculate else ())
+                             if speculate else (), device_share=device_share)
         weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, pinned=device_share)
         sched = cosine_scheduler(opt, LR, WD, STEPS)
         losses, traffic = [], []
         weight_reads, store_get = [0], tstore.get
@@ -62,6 +62,10 @@ def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical
             sched.step(increment=1)
             traffic.append(weight_reads[0] - before)
         assert any(os.scandir(offload_dir / "rank0")), "state lives in rank0/ swap files"
+        for key in device_share:   # the device share's state stayed on the device tier
+            assert {tuple(tstore.tiers((name, key, part))) for name in
+                    ("master", "exp_avg", "exp_avg_sq", "w") for part in ("bwd", "fwd")} \
+                == {("gpu",)}
         weights.load_all()
         opt.close()
         assert not [k for k in tstore.keys() if str(k[0]).endswith(".next")], \
@@ -70,14 +74,16 @@ def _snake(model, batches, clip, alpha, offload_dir, interval, schedule=vertical
     return losses, traffic
 
 
-def _train_both(megatron_world, tmp_path, flags, num_mb, clip, alpha, speculate=False):
+def _train_both(megatron_world, tmp_path, flags, num_mb, clip, alpha, speculate=False,
+                device_share=()):
     torch.use_deterministic_algorithms(True)
     args = tiny_args(*flags)
     reference, ours = build_model(args, megatron_world), build_model(args, megatron_world)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
     batches = [make_microbatches(num_mb, seed=s) for s in range(STEPS)]
     ref_losses = _reference(reference, batches, clip)
-    losses, _ = _snake(ours, batches, clip, alpha, tmp_path, interval=2, speculate=speculate)
+    losses, _ = _snake(ours, batches, clip, alpha, tmp_path, interval=2, speculate=speculate,
+                       device_share=device_share)
     torch.use_deterministic_algorithms(False)
     assert [torch.equal(a, b) for a, b in zip(losses[0], ref_losses[0])] == [True] * num_mb, \
         "step 1 sees the same initial weights: identical losses"
@@ -126,6 +132,18 @@ def test_speculative_updates_are_exact_whether_the_clip_binds_or_not(
         assert torch.equal(ours, ref), f"{name}: not bit-identical"
     layouts = 3   # 5 layers in units of 2, untied: no shared layout
     assert _snake.speculation == (steps * layouts, misses * layouts)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_a_device_share_of_the_optimizer_is_exact(megatron_world, tmp_path, clip):
+    """The first units' optimizer state on the device tier, updated there on the training
+    thread (the rest on the host worker, speculating under the clip): the same bits as
+    Megatron's schedule with torch's clip and fused AdamW."""
+    pairs = _train_both(megatron_world, tmp_path, ("--untie-embeddings-and-output-weights",
+                                                   "--position-embedding-type", "rope"),
+                        2, clip, 0.25, speculate=True, device_share=(0, 1))
+    for name, (ours, ref) in pairs.items():
+        assert torch.equal(ours, ref), f"{name}: not bit-identical"
 
 
 def test_offloaded_adamw_tied_three_microbatches(megatron_world, tmp_path):

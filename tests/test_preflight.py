@@ -208,6 +208,8 @@ def test_bytes_equal_build_offloaded_state(megatron_world, tmp_path, monkeypatch
             args, params, dp, sorted(state.weights.pinned), store.host_buffers_for)
         assert pf.pool_buffers == store.pool.count
         assert pf.speculation == state.speculation and state.speculation.layouts
+        assert pf.device_plan == state.device
+        assert pf.device_plan.share == tuple(sorted(state.optimizer.device_layouts))
         assert asked == [pf.drive_planned - (0 if initial else pf.nvme_initial)]
         if not initial:   # nothing on the drive yet: the same margin, the same figure
             assert state.capacity[0] == pf.drive_needed - (
@@ -255,6 +257,27 @@ def test_speculation_is_planned_first_in_the_forward_order_while_its_state_fits(
         assert none.layouts == () and why in none.summary()
     fp16 = _args("--snake-offload", "--fp16", "--clip-grad", "0")
     assert plan_speculation(fp16, parts, "nvme", buffers).layouts == (0, 1, 2)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--snake-device-optimizer-share", "1.5"], "auto or a share from 0 to 1"),
+    (["--snake-device-optimizer-share", "half"], "auto or a share from 0 to 1"),
+    (["--snake-device-optimizer-share", "0.5", "--use-precision-aware-optimizer", "--bf16"],
+     "the states stay on the host"),
+    (["--snake-device-optimizer-share", "1", "--snake-gpu-memory-limit", "600KiB"],
+     "lower the share, or raise the limit")])
+def test_a_device_share_that_cannot_be_is_one_line(capsys, tmp_path, flags, named):
+    """--snake-device-optimizer-share: a value out of range, with the precision-aware
+    optimizer, or more than the device memory limit leaves room for: one line naming the
+    flag, before anything is built."""
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *TINY, "--snake-offload", "--snake-offload-dir",
+         str(tmp_path), "--snake-dry-run", *flags], capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert "--snake-device-optimizer-share" in err[-1] and named in err[-1], proc.stderr[-800:]
+    assert "Traceback" not in proc.stderr
 
 
 def _with_margin(planned: int) -> int:

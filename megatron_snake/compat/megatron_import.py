@@ -27,7 +27,7 @@ import sys
 import typing
 from pathlib import Path
 
-from megatron_snake import releases
+import megatron_snake.releases as releases
 from megatron_snake.errors import UserError
 
 _prepared_for: set[str] = set()

@@ -173,7 +173,7 @@ class HostUpdate:
         for seg, piece in lay.pieces(lo, hi):
             ranges[seg.decay].append((piece.start - lo, piece.stop - lo, seg.offset - lo))
         sizes = [p.numel() for p in lent["master"]]
-        step = torch.tensor(float(hyper.step))
+        step = torch.tensor(float(hyper.step), device=lent["master"][0].device)
         for decay, rs in ranges.items():
             if not rs:
                 continue

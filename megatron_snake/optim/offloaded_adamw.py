@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_snake.errors import FlagError
 import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
@@ -41,6 +42,26 @@ from megatron_snake.optim.parts import PARTS, PartStates, check_alpha, next_key
 from megatron_snake.optim.precision import Precision, split_flat
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.optim.update_worker import UpdateWorker
+
+
+def check_device_optimizer_share(value: str, precision_aware: bool = False) -> str:
+    """``--snake-device-optimizer-share``: auto, or the share F (0 to 1) of the parameters
+    whose optimizer state and update are on the device; returned normalised ("auto", or
+    F as a string). The precision-aware optimizer's states stay on the host."""
+    if value == "auto":
+        return value
+    try:
+        share = float(value)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise FlagError(f"--snake-device-optimizer-share must be auto or a share from 0 to 1, "
+                        f"got {value!r}")
+    if share and precision_aware:
+        raise FlagError("--snake-device-optimizer-share: the device share runs Megatron's fp32 "
+                        "optimizer; with --use-precision-aware-optimizer the states stay on "
+                        "the host: give 0 or auto, or drop --use-precision-aware-optimizer")
+    return repr(share)
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                  on_weights=None, dp: DataParallel = DataParallel(), grad_scaler=None,
                  model_parallel_group=None, embedding_group=None, initial=None,
                  precision: Precision | None = None, weight_records: bool = True,
-                 threads: int | None = None, speculate=()):
+                 threads: int | None = None, speculate=(), device_share=()):
         """``initial``: where the parameters' values are when they are not in memory
         (``offload.initial_weights.InitialWeights``); by default they are read from the
         parameters. ``precision``: the dtype each state is stored in (default: every one
@@ -70,7 +91,10 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         (``OffloadedUnits`` writes them itself). ``threads``: the update's CPU threads
         (default: ``cpu_threads.default_optimizer_threads``). ``speculate``: the layouts
         whose backward part is updated at once even when the step's norm or overflow flag
-        must be known first (``_gradient_shard``; none by default)."""
+        must be known first (``_gradient_shard``; none by default). ``device_share``: the
+        layouts whose state lives on the compute device (the store's gpu tier) and whose
+        updates run there, on the calling thread's stream: Megatron's own optimizer on the
+        device, for the share of the model the device has room for (none by default)."""
         check_alpha(alpha)
         check_clip_grad(clip_grad)
         self.layouts = {lay.key: lay for lay in unit_params.all_layouts()}
@@ -79,6 +103,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.clip_grad, self.alpha, self.dp = clip_grad, alpha, dp
         self.states = PartStates(self.layouts, alpha, dp, self.precision)
+        self.device_layouts = frozenset(device_share)
         # Under TP / PP the norm and the overflow flag are reduced over the model-parallel
         # group too, and a parameter every TP rank holds whole counts once (Megatron's rule).
         self.model_parallel_group = model_parallel_group
@@ -111,7 +136,9 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm
         self._clip_coef: torch.Tensor | None = None
         self._deferred: dict = {}    # (key, part) -> StepHyper, waiting for the next forward
-        self.speculate = frozenset(speculate) if self.precision.speculable else frozenset()
+        # a layout updated on the device needs no speculation: its update is quick there
+        self.speculate = frozenset(speculate) - self.device_layouts \
+            if self.precision.speculable else frozenset()
         self._speculated: dict = {}  # (key, part) -> StepHyper, updated out of place
         # whether the last step kept its speculative state (the clip did not bind, nothing
         # overflowed): a clip that binds tends to bind again (warm-up, mock data), so a step
@@ -129,7 +156,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._read_ahead_lock = threading.Lock()   # the chain runs on the store's workers
         self._device_gradients: list = []  # puts of the last gradient still on the device
         self.host_update = HostUpdate(self.states, beta1=beta1, beta2=beta2, eps=eps)
-        self.updates = UpdateWorker(store, self.host_update, tier=tier,
+        self.updates = UpdateWorker(store, self.host_update, tier_of=self.tier_of,
                                     threads=check_optimizer_threads(threads),
                                     publish=self._publish)
         previous: list = []
@@ -152,20 +179,25 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         writes = []
         if p.remainders:
             hi, rem = split_flat(master)
-            writes.append(self.store.put(("master", key, part), rem, tier=self.tier,
+            writes.append(self.store.put(("master", key, part), rem, tier=self.tier_of(key),
                                          kind="optim"))
             if weight_records:
-                writes.append(self.store.put(("w", key, part), hi, tier=self.tier,
+                writes.append(self.store.put(("w", key, part), hi, tier=self.tier_of(key),
                                              kind="weights"))
         else:
             writes.append(self.store.put(("master", key, part),
                                          self.states.encode("master", key, part, master),
-                                         tier=self.tier, kind="optim"))
+                                         tier=self.tier_of(key), kind="optim"))
         for name in ("exp_avg", "exp_avg_sq"):
             self.states.start_at_zero(name, key, part)
             writes.append(self.store.put((name, key, part), torch.zeros(n, dtype=p.dtype(name)),
-                                         tier=self.tier, kind="optim"))
+                                         tier=self.tier_of(key), kind="optim"))
         return writes
+
+    def tier_of(self, key) -> str:
+        """Where layout ``key``'s state lives: the device for the device share, else the
+        optimizer's tier."""
+        return "gpu" if key in self.device_layouts else self.tier
 
     def state_bytes(self) -> int:
         """Bytes of master weights and moments this rank holds, each in its dtype."""
@@ -232,7 +264,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             self.on_weights(key, part, weights, soon=soon, name=name)
         elif weights is not lent["master"]:   # remainders: the optimizer's own records
             self.store.put_converted((name, key, part), weights, self.precision.params,
-                                     tier=self.tier, kind="weights")
+                                     tier=self.tier_of(key), kind="weights")
 
     # --- backward sweep ----------------------------------------------------------------
     def gradient_ready(self, key, grad: torch.Tensor) -> None:
@@ -322,7 +354,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             if shard.is_cuda or emulated_device.active() is not None:
                 self._device_gradients.append(handle)
             if part == "bwd" and not self._needs_step():
-                self.updates.submit(key, part, self._hyper)
+                self.updates.submit(key, part, self._hyper, inline=key in self.device_layouts)
             elif part == "bwd" and key in self.speculate and self._last_step_kept:
                 # Speculation, then validation (SuperOffload): updated now as if the clip
                 # coefficient were 1 and no gradient overflowed, out of place; the step
@@ -345,7 +377,10 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
     def _put_gradient(self, key, part_of_shard: torch.Tensor):
         """A gradient waits for its update in the fastest tier with room: host when the pool
         has it now, else the optimizer's tier (the drive), so with clipping on (every
-        update waits for the step's norm) the gradients stay off the drive when they fit."""
+        update waits for the step's norm) the gradients stay off the drive when they fit;
+        on the device with the layout's state there."""
+        if key[1] in self.device_layouts:
+            return self.store.put(key, part_of_shard, tier="gpu", kind="grad")
         if self.tier == "nvme":
             return self.store.put(key, part_of_shard, tier="host", kind="grad", spill="nvme")
         return self.store.put(key, part_of_shard, tier=self.tier, kind="grad")
@@ -471,7 +506,8 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         for part in PARTS:
             hyper = self._deferred.pop((key, part), None)
             if hyper is not None:
-                self.updates.submit(key, part, hyper, clip_coef=self._clip_coef, soon=soon)
+                self.updates.submit(key, part, hyper, clip_coef=self._clip_coef, soon=soon,
+                                    inline=key in self.device_layouts)
 
     def read_ahead_state(self, order: list) -> None:
         """Called at each unit of the backward sweep (``order``: the layouts in the order
@@ -498,7 +534,8 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                 key = order[self._read_ahead_next]
                 self._read_ahead_next += 1
                 parts = [p for p, (lo, hi) in zip(PARTS, self.states.bounds(self.layouts[key]))
-                         if hi > lo and self._waits_for_step(key, p)]
+                         if hi > lo and self._waits_for_step(key, p)
+                         and key not in self.device_layouts]
                 if parts:
                     keys = [(name, key, part) for part in parts
                             for name in STATES + (("w",) if self.precision.remainders else ())]

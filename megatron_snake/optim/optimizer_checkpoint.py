@@ -106,8 +106,8 @@ class CheckpointState:
             shard = state[name]
             for part, (lo, hi) in zip(PARTS, self.states.bounds(lay)):
                 values = self.states.encode(name, key, part, shard[lo - start:hi - start])
-                handles.append(self.store.put((name, key, part), values, tier=self.tier,
-                                              kind="optim"))
+                handles.append(self.store.put((name, key, part), values,
+                                              tier=self.tier_of(key), kind="optim"))
         return handles
 
     def set_master_weights(self, key, flat: torch.Tensor) -> None:
@@ -121,7 +121,7 @@ class CheckpointState:
         for part, (lo, hi) in zip(PARTS, self.states.bounds(self.layouts[key])):
             values = split_flat(full[lo:hi])[1] if self.precision.remainders else full[lo:hi]
             self.store.put(("master", key, part), self.states.encode("master", key, part, values),
-                           tier=self.tier, kind="optim")
+                           tier=self.tier_of(key), kind="optim")
 
     def load_state_dict(self, state: dict) -> None:
         """``state_dict()``'s state back; without "layouts" (a checkpoint loads them one at

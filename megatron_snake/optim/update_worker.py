@@ -31,13 +31,13 @@ UPDATE_PHASES = ("read", "clip", "adamw", "weights")
 
 class UpdateWorker:
     """Runs the parts' updates of ``host_update`` (a HostUpdate) on a worker with
-    ``threads`` CPU threads, on state in ``store`` given back to ``tier``. ``publish(key,
+    ``threads`` CPU threads, on state in ``store`` given back to ``tier_of(key)``. ``publish(key,
     part, weights, lent, soon, name)``: the new working weights of a part (1-D pieces, read
     only during the call) for the record ``(name, key, part)``, before its state is given
     back."""
 
-    def __init__(self, store, host_update, *, tier: str, threads: int, publish):
-        self.store, self.host_update, self.tier = store, host_update, tier
+    def __init__(self, store, host_update, *, tier_of, threads: int, publish):
+        self.store, self.host_update, self.tier_of = store, host_update, tier_of
         self.remainders = host_update.precision.remainders
         self.publish = publish
         self.threads = threads
@@ -52,15 +52,27 @@ class UpdateWorker:
         self.update_phase_s = dict.fromkeys(UPDATE_PHASES, 0.0)
 
     def submit(self, key, part: str, hyper, clip_coef=None, soon: bool = False,
-               speculative: bool = False) -> None:
+               speculative: bool = False, inline: bool = False) -> None:
         """Queue one part's update. ``soon``: a deferred part, run one unit ahead of its
         weights' next read (the new weights are kept close for it). ``speculative``: out
-        of place, without a clip (above)."""
+        of place, without a clip (above). ``inline``: run it now, on the calling thread
+        (state on the device: its kernels go on that thread's stream, in order)."""
         with self._lock:
             previous = self._running.get((key, part))
         if previous is not None:  # its writes come first: the reads of this one follow them
             previous.result()
         job = {"key": key, "part": part, "reads": None, "speculative": speculative}
+        if inline:
+            job["reads"] = self._read_inputs(key, part)
+            fut = Future()
+            try:
+                self._update(job, hyper, clip_coef, soon)
+                fut.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - raised by finish(), as a worker's
+                fut.set_exception(exc)
+            with self._lock:
+                self._running[(key, part)] = fut
+            return
         with self._lock:
             self._queued.append(job)
             if len(self._queued) == 1:   # the worker is free for it: read its inputs now
@@ -120,6 +132,8 @@ class UpdateWorker:
     def _next_job(self, job: dict) -> None:
         """As ``job`` starts: read the inputs of the update queued after it."""
         with self._lock:
+            if not any(j is job for j in self._queued):   # run inline: nothing behind it
+                return
             self._queued.remove(job)
             if job["reads"] is None:
                 job["reads"] = self._read_inputs(job["key"], job["part"])
@@ -154,7 +168,7 @@ class UpdateWorker:
             self.store.delete(("grad", key, part))
         for name in STATES:
             if updated:
-                self.store.give_back((name, key, part), tier=self.tier)
+                self.store.give_back((name, key, part), tier=self.tier_of(key))
             else:
                 self.store.delete((name, key, part))
 
@@ -178,7 +192,8 @@ class UpdateWorker:
         self._phase("read", t0)
         out = {name: self.store.borrow_new(next_key(name, key, part),
                                            (sum(p.numel() for p in lent[name]),),
-                                           lent[name][0].dtype, kind="optim", tier=self.tier)
+                                           lent[name][0].dtype, kind="optim",
+                                           tier=self.tier_of(key))
                for name in STATES}
         weights = self.host_update.run(key, part, hyper, None, lent, self._phase, out=out)
         t = time.perf_counter()
@@ -202,7 +217,7 @@ class UpdateWorker:
             # verdict: an update again would read it
             self.store.end_loan((name, key, part))
             if updated:
-                self.store.give_back(next_key(name, key, part), tier=self.tier)
+                self.store.give_back(next_key(name, key, part), tier=self.tier_of(key))
             elif next_key(name, key, part) in self.store:
                 self.store.delete(next_key(name, key, part))
 

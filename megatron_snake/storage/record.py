@@ -29,3 +29,4 @@ class Record:
     last: object = None          # future of the last operation on this key
     lent: bool = False           # borrow()ed: the caller may be changing it
     lent_copy: object = None     # what was lent when it was not lent in place
+    lent_gpu: bool = False       # lent in place on the device tier (its tensor itself)

@@ -230,7 +230,7 @@ class TensorStore:
 
     def put_converted(self, key, pieces, dtype, tier="nvme", kind="misc", spill=None,
                       keep_free=None):
-        """``put`` of the concatenation of the 1-D CPU tensors ``pieces`` as one 1-D record
+        """``put`` of the concatenation of the 1-D tensors ``pieces`` as one 1-D record
         of ``dtype``, converted as it is copied. A record that may spill (``spill``) and
         has room in the host pool now is written on the calling thread straight into its
         buffers: no converted copy is made first and nothing queues behind other puts, so
@@ -245,12 +245,17 @@ class TensorStore:
         bufs = self._host.take_for_converted(nbytes, self._room(keep_free)) \
             if spill is not None else None
         if bufs is None:
-            # in pinned memory when it goes to a GPU: a copy from pageable memory moves at
-            # a few GB/s through the driver's bounce buffer and holds a CPU core meanwhile
+            # converted on the device when the pieces are there (an update on the device);
+            # else in pinned memory when it goes to a GPU: a copy from pageable memory moves
+            # at a few GB/s through the driver's bounce buffer and holds a CPU core meanwhile
             # (an H200 step spent 1.0 s on 6.3 GB of them); pinned, it is a DMA at the
             # link's rate, and torch's caching host allocator reuses the buffer
-            pin = tier == "gpu" and self.device.type == "cuda"
-            flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
+            where = pieces[0].device if pieces else torch.device("cpu")
+            if where.type != "cpu":
+                flat = torch.empty(numel, dtype=dtype, device=where)
+            else:
+                pin = tier == "gpu" and self.device.type == "cuda"
+                flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
             copy_concatenation([flat], pieces)
             return self.put(key, flat, tier=tier, kind=kind, spill=spill, keep_free=keep_free)
         stored = _Done()
@@ -367,7 +372,8 @@ class TensorStore:
         """Lend ``key``'s value to the caller to change in place. wait() returns it as 1-D
         views, one per host buffer of its record (the host tier's segments): of the host
         tier's own bytes when it is there (no copy), else of a new tensor read from its
-        tier. Two records of the same dtype and size are cut at the same elements. End the
+        tier; a value on the device tier is lent as its device tensor (one view), in place.
+        Two records of the same dtype and size on the host are cut at the same elements. End the
         loan with ``give_back`` or ``delete``; until then any other operation on the key
         raises, so nothing reads or moves the bytes while they change."""
         with self._lock:
@@ -420,7 +426,7 @@ class TensorStore:
             e = self._entries.get(key)
             if e is None or not e.lent:
                 raise RuntimeError(f"end_loan({key!r}): the key is not lent (borrow it first)")
-            e.lent, e.lent_copy = False, None
+            e.lent, e.lent_copy, e.lent_gpu = False, None, False
             if e.last is not None:   # the borrow's future holds the lent pieces
                 e.last = _completion(e.last)
 
@@ -743,6 +749,9 @@ class TensorStore:
     def _run_borrow(self, e, prev):
         with timeline.span(f"borrow {e.kind}", "store", bytes=e.nbytes):
             self._wait_prev(prev)
+            if e.gpu is not None:         # the device's tensor itself: updated on the device
+                e.lent_gpu = True
+                return [e.gpu.reshape(-1)]
             size = torch.tensor([], dtype=e.dtype).element_size()
             in_place = e.nbytes and self._host.seg_payload % size == 0
             if in_place and e.host is None and e.gpu is None and self._drive.fills_host(e):
@@ -764,6 +773,14 @@ class TensorStore:
     def _give_back(self, e, prev, target, seq):
         self._wait_prev(prev)   # the borrow: if it failed, the stored value stays as it was
         e.seq = seq
+        if e.lent_gpu:                   # changed on the device: other copies are stale
+            e.lent_gpu = False
+            self._host.drop(e)
+            self._drive.drop(e)
+            if target is not self._gpu:
+                changed, e.gpu = e.gpu, None
+                self._put(e, None, None, changed.view(e.shape), target, None, None)
+            return
         self._gpu.drop(e)                # copies of the value before the change
         self._drive.drop(e)
         copy, e.lent_copy = e.lent_copy, None

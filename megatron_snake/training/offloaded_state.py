@@ -227,6 +227,7 @@ class OffloadedState:
     tiers: StateTiers          # where weights and optimizer state went (auto resolved)
     capacity: tuple = (0, 0)   # (bytes needed, bytes free) on the offload drive, checked
     speculation: "Speculation" = None   # the layouts that speculate, the state they keep
+    device: "DevicePlan" = None   # the optimizer's share on the device, the pinned units
 
     def summary(self, args) -> str:
         """Bytes this rank holds per tier, moves per step, and the free-space check."""
@@ -270,6 +271,8 @@ class OffloadedState:
             line += "\n" + self.optimizer.precision.summary()
         if self.speculation is not None:
             line += f"\n> {self.speculation.summary()} on {self.tiers.optimizer}"
+        if self.device is not None and self.device.summary():
+            line += f"\n> {self.device.summary()}"
         return line
 
 
@@ -310,12 +313,12 @@ class HostBuffers:
 
 
 def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list[int],
-                        buffers_for) -> HostBuffers:
+                        buffers_for, share=()) -> HostBuffers:
     """What each part would hold on the host tier: this rank's records of every unit's
     weights (the pinned ones stay on the device), four optimizer records per weight record
     (master weights, two moments, gradient: four fp32 ones, or each in its dtype with
-    --use-precision-aware-optimizer), and the step's unit inputs; ``buffers_for(nbytes)``
-    is the store's rule."""
+    --use-precision-aware-optimizer; none for the units of the device ``share``), and the
+    step's unit inputs; ``buffers_for(nbytes)`` is the store's rule."""
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     sizes = optimizer_record_bytes(args)
     weights = optimizer = largest = 0
@@ -324,7 +327,8 @@ def host_buffers_needed(args, params: UnitParams, dp: DataParallel, pinned: list
         for lo, hi in part_bounds(lay, args.snake_alpha, dp):
             if hi > lo:
                 unit_weights += buffers_for((hi - lo) * elem)
-                optimizer += sum(buffers_for((hi - lo) * n) for n in sizes)
+                if unit not in share:
+                    optimizer += sum(buffers_for((hi - lo) * n) for n in sizes)
         weights += 0 if unit in pinned else unit_weights
         largest = max(largest, unit_weights)
     if params.shared.segments:
@@ -464,11 +468,14 @@ def kept_state_room(pool_buffers: int, planned: int) -> int:
     return pool_buffers - planned - min(STAGING_BUFFERS, pool_buffers // 8) - 1
 
 
-def backward_parts(args, params, dp: DataParallel) -> list[int]:
+def backward_parts(args, params, dp: DataParallel, share=()) -> list[int]:
     """This rank's backward part of each layout, in the forward sweep's order of updates
-    (what ``plan_speculation`` takes)."""
-    return [hi - lo for lo, hi in (part_bounds(lay, args.snake_alpha, dp)[0]
-                                   for lay in update_order(params))]
+    (what ``plan_speculation`` takes): none for the units of the device ``share`` (updated
+    on the device, they do not speculate)."""
+    units = {id(lay): u for u, lay in enumerate(params.units)}
+    return [0 if units.get(id(lay)) in share else hi - lo
+            for lay, (lo, hi) in ((lay, part_bounds(lay, args.snake_alpha, dp)[0])
+                                  for lay in update_order(params))]
 
 
 def update_order(params) -> list:
@@ -499,27 +506,99 @@ def checkpoint_bytes_planned(args, model_bytes: int, optimizer_bytes: int) -> in
     return saves * (model_bytes + optimizer_bytes)
 
 
-def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
-    """Units whose working weights stay on the device: as many as ``--snake-gpu-memory-limit``
-    leaves room for after the working set (the unit computed, the prefetched next one, the
-    gradient accumulator) and the step's checkpoints when they may stay on the device,
-    smallest first. None without the flag: the device's real capacity is not known."""
-    if args.snake_gpu_memory_limit is None:
-        return []
+@dataclass(frozen=True)
+class DevicePlan:
+    """What of the offloaded state stays on the compute device: the units whose optimizer
+    state lives and is updated there (``share``: Megatron's own optimizer on the device, for
+    the first units in the forward sweep's order), and the units whose working weights stay
+    there (``pinned``: the share's, then as many more as the room leaves)."""
+
+    share: tuple = ()
+    pinned: tuple = ()
+    share_bytes: int = 0      # the share's master weights and moments on the device
+    why: str = ""             # why no share, or the share asked for
+
+    def summary(self) -> str:
+        """A line for the start-up log; empty where auto put nothing there (the default
+        without a device memory limit: nothing to say)."""
+        if not self.share and self.why.startswith("auto"):
+            return ""
+        if not self.share:
+            return f"the optimizer on the device: none ({self.why})"
+        return (f"the optimizer on the device: units {list(self.share)}, "
+                f"{size(self.share_bytes)} of master weights and moments ({self.why})")
+
+
+def _device_room(args, params: UnitParams) -> int:
+    """What ``--snake-gpu-memory-limit`` leaves after the working set (the unit computed,
+    the prefetched next one, the gradient accumulator) and the step's checkpoints when they
+    may stay on the device."""
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     working_set, _ = unit_working_set_bytes(args, params)
     room = args.snake_gpu_memory_limit - working_set - \
         max(lay.numel for lay in params.units) * elem          # the prefetched next unit
     if args.snake_activation_tier in ("device", "auto"):
         room -= checkpoint_bytes_per_step(args)
-    pinned = []
-    for unit in sorted(range(len(params.units)), key=lambda u: params.units[u].numel):
-        size = -(-params.units[unit].numel // dp_size) * elem   # this rank's records
-        if size > room:
-            break
-        pinned.append(unit)
-        room -= size
-    return sorted(pinned)
+    return room
+
+
+def plan_device(args, params: UnitParams, dp_size: int) -> DevicePlan:
+    """``DevicePlan`` from ``--snake-device-optimizer-share`` and ``--snake-gpu-memory-limit``.
+    A share F: the first units in the forward sweep's order, F of this rank's unit
+    parameters (refused when the limit leaves no room for it). auto: as many of them as the
+    room holds (an update on the device costs it little: 16 bytes of its memory traffic a
+    parameter, against the host's whole update), none without the limit (the device's free
+    memory is not known). Then the weights of as many other units as the room leaves stay
+    on the device, smallest first. Without the limit nothing else is pinned."""
+    elem = torch.tensor([], dtype=args.params_dtype).element_size()
+    state = Precision.from_args(args).state_bytes
+    shard = [-(-lay.numel // dp_size) for lay in params.units]   # this rank's records
+    limit = args.snake_gpu_memory_limit
+    room = _device_room(args, params) if limit is not None else None
+    share, why, asked = [], "", args.snake_device_optimizer_share
+    if asked == "auto" and not Precision.from_args(args).fp32:
+        why = "auto with --use-precision-aware-optimizer: its states stay on the host"
+    elif asked == "auto" and room is None:
+        why = "auto without --snake-gpu-memory-limit: the device's free memory is not known"
+    elif asked == "auto":
+        for unit, n in enumerate(shard):
+            if n * (elem + state) > room:
+                break
+            share.append(unit)
+            room -= n * (elem + state)
+        why = "auto: what --snake-gpu-memory-limit leaves room for"
+    else:
+        goal, total = float(asked) * sum(shard), 0
+        for unit, n in enumerate(shard):
+            if total + n > goal:
+                break
+            share.append(unit)
+            total += n
+        need = total * (elem + state)
+        if room is not None and need > room:
+            raise FlagError(
+                f"--snake-device-optimizer-share {asked}: units {share} need {mib(need)} of "
+                f"device memory for their weights and optimizer state, but "
+                f"--snake-gpu-memory-limit {mib(limit)} leaves {mib(max(room, 0))} after the "
+                "working set; lower the share, or raise the limit")
+        room = None if room is None else room - need
+        why = f"--snake-device-optimizer-share {asked}"
+    pinned = list(share)
+    if room is not None:
+        for unit in sorted(range(len(shard)), key=lambda u: shard[u]):
+            if unit in share:
+                continue
+            if shard[unit] * elem > room:
+                break
+            pinned.append(unit)
+            room -= shard[unit] * elem
+    return DevicePlan(tuple(share), tuple(sorted(pinned)),
+                      sum(shard[u] for u in share) * state, why)
+
+
+def units_to_pin(args, params: UnitParams, dp_size: int) -> list[int]:
+    """Units whose working weights stay on the device (``plan_device``'s ``pinned``)."""
+    return list(plan_device(args, params, dp_size).pinned)
 
 
 def nvme_bytes(args, tiers: StateTiers, weights_bytes: int, optimizer_bytes: int) -> int:
@@ -625,16 +704,19 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
     full_numel = sum(lay.numel for lay in params.all_layouts())
     numel = -(-full_numel // dp.size)  # this rank's share
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
-    pinned = units_to_pin(args, params, dp.size)
-    need = host_buffers_needed(args, params, dp, pinned, store.host_buffers_for)
+    device_plan = plan_device(args, params, dp.size)
+    need = host_buffers_needed(args, params, dp, list(device_plan.pinned),
+                               store.host_buffers_for, device_plan.share)
     tiers = resolve_state_tiers(args, need, store.pool.count)
+    off_device = numel - sum(-(-params.units[u].numel // dp.size) for u in device_plan.share)
     error, capacity = None, (0, 0)
     try:
         check_host_memory(args, tiers, need, store.pool.count, store.pool.buffer_bytes)
         room = host_room(args, tiers, need, store.pool.count)
         store.spill_keep_free, store.pool.reserved = room.spill, room.planned
         # master, moments, gradient, each in its dtype
-        planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
+        planned = nvme_bytes(args, tiers, numel * elem,
+                             optimizer_bytes_per_param(args) * off_device)
         if initial is not None:   # held until the state is built from them: counted too
             planned += initial.nbytes
         # the --save checkpoints land on one file system: counted there alone
@@ -652,8 +734,8 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                 "the same file system: every saved iteration is kept; raise "
                                 "--save-interval or save to another drive.)") from None
         speculation = plan_speculation(
-            args, backward_parts(args, params, dp), tiers.optimizer, store.host_buffers_for,
-            host_room=kept_state_room(store.pool.count, room.planned),
+            args, backward_parts(args, params, dp, device_plan.share), tiers.optimizer,
+            store.host_buffers_for, host_room=kept_state_room(store.pool.count, room.planned),
             drive_room=capacity[1] - capacity[0] if capacity else None)
         store.pool.reserved += speculation.host_buffers   # the kept state's, when on host
     except (OSError, ValueError, RuntimeError) as exc:
@@ -671,10 +753,12 @@ def build_offloaded_state(args, gpt, store, device: torch.device, *,
                                precision=Precision.from_args(args),
                                weight_records=False,   # OffloadedUnits writes them
                                threads=args.snake_optimizer_threads,
-                               speculate=[order[i].key for i in speculation.layouts])
+                               speculate=[order[i].key for i in speculation.layouts],
+                               device_share=[params.units[u].key for u in device_plan.share])
     weights = OffloadedUnits(params, store, optimizer, device=device, dtype=args.params_dtype,
-                             tier=tiers.params, pinned=pinned, initial=initial,
+                             tier=tiers.params, pinned=device_plan.pinned, initial=initial,
                              host_keep_free=room.weights)
     if initial is not None:
         initial.drop()
-    return OffloadedState(units, weights, optimizer, tiers, capacity, speculation)
+    return OffloadedState(units, weights, optimizer, tiers, capacity, speculation,
+                          device_plan)

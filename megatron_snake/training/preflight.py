@@ -33,7 +33,8 @@ from megatron_snake.storage.host_pool import (DEFAULT_BUFFER_BYTES, DEFAULT_POOL
 from megatron_snake.storage.sizes import mib, size
 from megatron_snake.storage.store import host_buffers_for
 from megatron_snake.storage.temp_dirs import sweep_dead_temp_offload_dirs
-from megatron_snake.training.offloaded_state import (HostBuffers, Speculation, StateTiers,
+from megatron_snake.training.offloaded_state import (DevicePlan, HostBuffers, Speculation,
+                                                     StateTiers,
                                                      backward_parts, check_host_memory,
                                                      checkpoint_bytes_per_step,
                                                      checkpoint_bytes_planned,
@@ -43,7 +44,7 @@ from megatron_snake.training.offloaded_state import (HostBuffers, Speculation, S
                                                      offload_dirs_for_rank,
                                                      optimizer_bytes_per_param,
                                                      resolve_state_tiers,
-                                                     saves_to_offload_drive, units_to_pin,
+                                                     saves_to_offload_drive, plan_device,
                                                      unit_working_set_bytes, working_set_error,
                                                      working_set_parts)
 
@@ -228,6 +229,7 @@ class Preflight:
     # the layouts that speculate and the state they keep until each step's verdict: pool
     # buffers on the host tier; on the drive, as much as its free space leaves room for
     speculation: Speculation = Speculation()
+    device_plan: DevicePlan = DevicePlan()   # the optimizer's share on the device
 
     @property
     def params_rank(self) -> int:
@@ -235,7 +237,8 @@ class Preflight:
 
     @property
     def device_bytes(self) -> int:
-        return self.working_set + self.prefetch + self.pinned + self.device_unit_inputs
+        return self.working_set + self.prefetch + self.pinned + self.device_unit_inputs + \
+            self.device_plan.share_bytes
 
     def _on_host(self) -> list[tuple[str, int]]:
         h, t = self.host_buffers, self.tiers
@@ -361,6 +364,8 @@ class Preflight:
             *([self.precision.summary()] if self.precision != Precision(
                 params=self.precision.params) else []),
             self.speculation_line,
+            *([f"> pre-flight {self.device_plan.summary()}"] if self.device_plan.summary()
+              else []),
             *(self._drive_line(i, free) for i, free in enumerate(frees)),
         ])
 
@@ -454,11 +459,12 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     dp = DataParallel(dp_rank, args.data_parallel_size)
     elem = torch.tensor([], dtype=args.params_dtype).element_size()
     working_set, unit = unit_working_set_bytes(args, params)
-    pinned = units_to_pin(args, params, dp.size)
-    need = host_buffers_needed(args, params, dp, pinned, host_buffers_for)
+    device = plan_device(args, params, dp.size)
+    pinned = list(device.pinned)
+    need = host_buffers_needed(args, params, dp, pinned, host_buffers_for, device.share)
     pool_bytes, pool_why = args.snake_host_memory_limit, "given by --snake-host-memory-limit"
     if getattr(args, "snake_host_pool_default", False):   # the flag was not given
-        kept = plan_speculation(args, backward_parts(args, params, dp), "host",
+        kept = plan_speculation(args, backward_parts(args, params, dp, device.share), "host",
                                 host_buffers_for).host_buffers \
             if args.snake_optimizer_tier == "host" else 0
         pool_bytes, pool_why = host_pool_default(args, need, kept=kept)
@@ -468,11 +474,13 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     ckpt = checkpoint_bytes_per_step(args)
     paths = offload_paths(args, rank)
     precision = Precision.from_args(args)
-    planned = nvme_bytes(args, tiers, numel * elem, optimizer_bytes_per_param(args) * numel)
+    off_device = numel - sum(-(-counts.units[u] // dp.size) for u in device.share)
+    planned = nvme_bytes(args, tiers, numel * elem,
+                         optimizer_bytes_per_param(args) * off_device)
     pf_parts = dict(
         nvme_weights=numel * elem if tiers.params == "nvme" else 0,
-        nvme_optimizer=precision.state_bytes * numel if tiers.optimizer == "nvme" else 0,
-        nvme_gradients=precision.grad_bytes * numel if tiers.optimizer == "nvme" else 0,
+        nvme_optimizer=precision.state_bytes * off_device if tiers.optimizer == "nvme" else 0,
+        nvme_gradients=precision.grad_bytes * off_device if tiers.optimizer == "nvme" else 0,
         nvme_unit_inputs=ckpt if args.snake_activation_tier in ("nvme", "auto") else 0)
     assert sum(pf_parts.values()) == planned, (pf_parts, planned)
     # build_run builds the model through InitialWeights (tier nvme): every parameter of
@@ -486,7 +494,8 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     largest_part = max((hi - lo for lay in params.units + (params.shared,)
                         for lo, hi in part_bounds(lay, args.snake_alpha, dp)), default=0)
     speculation = plan_speculation(
-        args, backward_parts(args, params, dp), tiers.optimizer, host_buffers_for,
+        args, backward_parts(args, params, dp, device.share), tiers.optimizer,
+        host_buffers_for,
         host_room=kept_state_room(pool_buffers, host_room(args, tiers, need,
                                                           pool_buffers).planned))
     return Preflight(
@@ -509,7 +518,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         checkpoints_on=next((i for i, path in enumerate(paths) if os.path.isdir(path)
                              and saves_to_offload_drive(args, path)), None),
         offload_paths=tuple(paths), offload_dir_given=bool(args.snake_offload_dir),
-        precision=precision, speculation=speculation)
+        precision=precision, speculation=speculation, device_plan=device)
 
 
 def update_bytes(precision: Precision, elements: int) -> int:

@@ -21,6 +21,7 @@ import os
 from megatron_snake.errors import FlagError
 from megatron_snake.models.gpt_units import check_checkpoint_interval
 from megatron_snake.optim.cpu_threads import check_optimizer_threads
+from megatron_snake.optim.offloaded_adamw import check_device_optimizer_share
 from megatron_snake.optim.parts import check_alpha
 from megatron_snake.optim.zenflow import ZenFlowSettings
 from megatron_snake.planner.hardware import load_profile
@@ -36,7 +37,7 @@ SNAKE_SCHEDULES = ("vertical", "horizontal")
 # without it they are an error.
 OFFLOAD_ONLY_DEFAULTS = {"--snake-param-tier": "nvme", "--snake-optimizer-tier": "nvme",
                          "--snake-alpha": 0.25, "--snake-gpu-memory-limit": None,
-                         "--snake-speculate": "auto"}
+                         "--snake-speculate": "auto", "--snake-device-optimizer-share": "auto"}
 # The settings --snake-auto chooses: given with it, they are an error (not silently ignored).
 AUTO_CHOSEN_FLAGS = ("--snake-group-size", "--snake-alpha", "--snake-checkpoint-interval",
                      "--snake-param-tier", "--snake-optimizer-tier", "--snake-activation-tier")
@@ -105,8 +106,11 @@ def add_snake_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="host buffer pool limit, e.g. 4GiB (default: what the run needs, "
                         f"at most {DEFAULT_POOL_CAP_BYTES >> 30}GiB)")
     g.add_argument("--snake-speculate", default=None, choices=("auto", "off"),
-                   help="with --clip-grad or --fp16, update during backward as if the clip "
-                        "and the loss scale held, redo where not (default: auto)")
+                   help="update during backward before the clip's verdict, redo on a miss "
+                        "(default: auto)")
+    g.add_argument("--snake-device-optimizer-share", default=None, metavar="auto|F",
+                   help="first units' optimizer on the device: share F, or auto: what the "
+                        "GPU limit leaves (default: auto)")
     g.add_argument("--snake-optimizer-threads", type=int, default=None, metavar="N",
                    help="CPU threads of the host optimizer (default: half the cores, at most "
                         "OMP_NUM_THREADS)")
@@ -182,6 +186,10 @@ def validate_snake_args(args: argparse.Namespace, parser: argparse.ArgumentParse
     _validate_auto(args, parser)
     if args.snake_offload:
         check_rule(parser, check_alpha, args.snake_alpha)
+        args.snake_device_optimizer_share = check_rule(
+            parser, lambda: check_device_optimizer_share(
+                args.snake_device_optimizer_share,
+                getattr(args, "use_precision_aware_optimizer", False)))
     _validate_pipeline(args, parser)
     _validate_zenflow(args, parser)
     _validate_optimizer_threads(args, parser, planned)
