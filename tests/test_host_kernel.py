@@ -398,7 +398,8 @@ def test_torchs_default_build_fuses_nothing():
     if hk._native is None:
         pytest.skip("the native kernel is not built")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     env.pop(hk.ENV, None)
     out = subprocess.run([sys.executable, "-c", _DEFAULT_BUILD], env=env, cwd=root,
                          capture_output=True, text=True, timeout=120)
