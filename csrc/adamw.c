@@ -32,6 +32,9 @@
 #define MIN_SPAN 4096        /* elements a thread gets at least (a smaller call runs on fewer) */
 
 enum { RULE_VECTOR, RULE_TAIL, RULE_PLAIN };   /* see adamw.h */
+/* the SIMD blocks' master and weights: F32 alone, F32 with BF16 weights by torch's cast or
+   by TE's split, REM16 (whose weights are its high halves) */
+enum { MW_F32, MW_EVEN, MW_TE, MW_REM16 };
 
 static int have_avx2 = 0, have_avx512 = 0;
 static float e4m3_value[256];
@@ -138,12 +141,34 @@ static void make_consts(const adamw_args *a, consts_t *k) {
     k->clip = a->clip;
 }
 
+/* fma(a, b, c) rounded once, without the FMA instruction (the generic variant's; libm's
+   fmaf emulates it far more slowly where the instruction is missing): a * b is exact in
+   double, the sum rounded to odd in double (the nearest sum, moved one unit toward the exact
+   one when inexact and even), and rounding that to float is then the correctly rounded
+   result (Boldo and Melquiond: double has at least two bits more than float). */
+static inline float fma_odd(float a, float b, float c) {
+    double p = (double)a * (double)b, s = p + (double)c;
+    double bs = s - p, err = (p - (s - bs)) + ((double)c - bs);   /* s + err == p + c */
+    if (err != 0 && isfinite(s)) {
+        uint64_t u;
+        memcpy(&u, &s, 8);
+        if (!(u & 1)) {
+            u += ((err > 0) == (s > 0)) ? 1 : (uint64_t)-1;   /* away from / toward zero */
+            memcpy(&s, &u, 8);
+        }
+    }
+    return (float)s;
+}
+
 /* One element's AdamW under a rule (adamw.h). The lerp m + w (g - m), or g + (w - 1)(g - m)
    for a large weight, is torch's fmadd(coeff, g - m, base); the tail's
-   g - (g - m)(1 - w) is the same number (1 - w and w - 1 are exact negations). */
+   g - (g - m)(1 - w) is the same number (1 - w and w - 1 are exact negations). hw_fma: the
+   caller is compiled for the FMA instruction (a constant once inlined). */
 static inline __attribute__((always_inline)) void adamw_math(float *pp, float *pm, float *pv,
                                                               float g, int decay,
-                                                              const consts_t *k, int rule) {
+                                                              const consts_t *k, int rule,
+                                                              int hw_fma) {
+#define FUSED(a, b, c) (hw_fma ? fmaf(a, b, c) : fma_odd(a, b, c))
     float p = *pp, m = *pm, v = *pv;
     if (decay) p = p * k->decay_factor;
     float base = k->small ? m : g;
@@ -151,9 +176,10 @@ static inline __attribute__((always_inline)) void adamw_math(float *pp, float *p
         m = k->coeff * (g - m) + base;
         v = v * k->b2 + (k->c2 * g) * g;
     } else {
-        m = fmaf(k->coeff, g - m, base);
-        v = rule == RULE_VECTOR ? fmaf(k->c2 * g, g, v * k->b2) : fmaf(v, k->b2, (k->c2 * g) * g);
+        m = FUSED(k->coeff, g - m, base);
+        v = rule == RULE_VECTOR ? FUSED(k->c2 * g, g, v * k->b2) : FUSED(v, k->b2, (k->c2 * g) * g);
     }
+#undef FUSED
     float denom = sqrtf(v) / k->bc2_sqrt + k->eps;
     *pp = p + (k->neg_step * m) / denom;
     *pm = m;
@@ -168,7 +194,8 @@ typedef struct {
     const adamw_segment *segs;
     int64_t nseg;
     int64_t *starts;      /* segment i's elements are [starts[i], starts[i + 1]) of the call */
-    int isa, fast;        /* fast: the SIMD variants take these dtypes */
+    int isa;
+    int mw;               /* the SIMD blocks' master and weights (MW_*), -1: not theirs */
     float *minmax;        /* ADAMW_MINMAX: [worker][state][piece][min, max] */
 } job_t;
 
@@ -190,30 +217,48 @@ static void scales_of(const adamw_args *a, int64_t piece, piece_scales *ps) {
     }
 }
 
-static inline float load(int dtype, const void *base, int64_t i, float mult) {
+/* A stream's elements [i, i + n) into float (a scaled dtype times its multiplier) */
+static inline void load_stream(int dtype, const void *base, int64_t i, int n, float mult,
+                               float *out) {
     switch (dtype) {
-    case ADAMW_F32: return ((const float *)base)[i];
-    case ADAMW_BF16: return bf16_to_f32(((const uint16_t *)base)[i]);
-    case ADAMW_F16: return f16_to_f32(((const uint16_t *)base)[i]) * mult;
-    default: return e4m3_value[((const uint8_t *)base)[i]] * mult;
+    case ADAMW_F32:
+        memcpy(out, (const float *)base + i, (size_t)n * sizeof(float));
+        break;
+    case ADAMW_BF16:
+        for (int e = 0; e < n; e++) out[e] = bf16_to_f32(((const uint16_t *)base)[i + e]);
+        break;
+    case ADAMW_F16:
+        for (int e = 0; e < n; e++) out[e] = f16_to_f32(((const uint16_t *)base)[i + e]) * mult;
+        break;
+    default:   /* E4M3 */
+        for (int e = 0; e < n; e++) out[e] = e4m3_value[((const uint8_t *)base)[i + e]] * mult;
     }
 }
 
-/* precision.quantize's rules, per element (the scale and q are the piece's) */
-static inline void store(int dtype, void *base, int64_t i, float x, float s, float q) {
+/* Floats into a stream by precision.quantize's rules (s: the piece's scale, q: 1 / s) */
+static inline void store_stream(int dtype, void *base, int64_t i, int n, const float *x,
+                                float s, float q) {
     switch (dtype) {
-    case ADAMW_F32: ((float *)base)[i] = x; break;
-    case ADAMW_BF16: ((uint16_t *)base)[i] = f32_to_bf16(x); break;
-    case ADAMW_F16: ((uint16_t *)base)[i] = f32_to_f16(x * q); break;
-    default:
-        if (s > 0) {                       /* e4m3(clamp(x * (1 / scale), -448, 448)) */
-            float y = x * q;
-            y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y);   /* NaN stays NaN */
-            ((uint8_t *)base)[i] = f32_to_e4m3(y);
-        } else if (s == 0) {               /* an all-zero piece is stored as zeros */
-            ((uint8_t *)base)[i] = 0;
-        } else {                           /* a NaN scale: e4m3(x * scale), NaN */
-            ((uint8_t *)base)[i] = f32_to_e4m3(x * s);
+    case ADAMW_F32:
+        memcpy((float *)base + i, x, (size_t)n * sizeof(float));
+        break;
+    case ADAMW_BF16:
+        for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_bf16(x[e]);
+        break;
+    case ADAMW_F16:   /* fp16(x * (1 / scale)), 1 / scale being 0 when the scale is not > 0 */
+        for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_f16(x[e] * q);
+        break;
+    default:          /* E4M3 */
+        if (s > 0) {  /* e4m3(clamp(x * (1 / scale), -448, 448)); NaN stays NaN */
+            for (int e = 0; e < n; e++) {
+                float y = x[e] * q;
+                y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y);
+                ((uint8_t *)base)[i + e] = f32_to_e4m3(y);
+            }
+        } else if (s == 0) {   /* an all-zero piece is stored as zeros */
+            memset((uint8_t *)base + i, 0, (size_t)n);
+        } else {               /* a NaN scale: e4m3(x * scale), NaN */
+            for (int e = 0; e < n; e++) ((uint8_t *)base)[i + e] = f32_to_e4m3(x[e] * s);
         }
     }
 }
@@ -229,58 +274,93 @@ static inline void track(float *mm, float x) {
     if (x > mm[1]) mm[1] = x;
 }
 
-/* One element, any dtypes: the generic variant's loop and the SIMD variants' leftovers.
-   minmax: this piece's [state][min, max] (ADAMW_MINMAX) */
-static inline __attribute__((always_inline)) void update_one(const job_t *j,
-                                                              const adamw_segment *s, int64_t i,
-                                                              int rule, const piece_scales *ps,
-                                                              float *minmax) {
+/* The arithmetic of a batch: adamw_math over n elements of float arrays */
+typedef void (*batch_math_fn)(float *p, float *m, float *v, const float *g, int n, int decay,
+                              const consts_t *k, int rule);
+
+static void scalar_math(float *p, float *m, float *v, const float *g, int n, int decay,
+                        const consts_t *k, int rule) {
+    for (int e = 0; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 0);
+}
+
+/* Up to BATCH elements [i, i + n), any dtypes: the generic variant's work and the SIMD
+   variants' leftovers. Each stream is loaded into floats in its own loop, the arithmetic
+   runs over the batch (math: by 8 where the CPU can), then each stream is stored: the long
+   division and square-root chains of neighbouring elements overlap, where one element at
+   a time they would not. minmax: this piece's [state][min, max] (ADAMW_MINMAX). */
+#define BATCH 64
+static inline __attribute__((always_inline)) void update_batch(const job_t *j,
+                                                                const adamw_segment *s,
+                                                                int64_t i, int n, int rule,
+                                                                const piece_scales *ps,
+                                                                float *minmax,
+                                                                batch_math_fn math) {
     const adamw_args *a = j->args;
     const consts_t *k = &j->k;
-    float g = load(a->grad, s->grad, i, 1.0f), p, m, v;
-    if (k->has_clip) g = g * k->clip;
+    float g[BATCH], p[BATCH], m[BATCH], v[BATCH];
+    load_stream(a->grad, s->grad, i, n, 1.0f, g);
+    if (k->has_clip)
+        for (int e = 0; e < n; e++) g[e] = g[e] * k->clip;
     if (a->master == ADAMW_REM16)
-        p = te_join(((const uint16_t *)s->weights)[i], ((const int16_t *)s->master)[i]);
+        for (int e = 0; e < n; e++)
+            p[e] = te_join(((const uint16_t *)s->weights)[i + e], ((const int16_t *)s->master)[i + e]);
     else
-        p = load(a->master, s->master, i, ps->in[ADAMW_MASTER]);
-    m = load(a->exp_avg, s->exp_avg, i, ps->in[ADAMW_EXP_AVG]);
-    v = load(a->exp_avg_sq, s->exp_avg_sq, i, ps->in[ADAMW_EXP_AVG_SQ]);
-    adamw_math(&p, &m, &v, g, s->decay && k->decays, k, rule);
+        load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p);
+    load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m);
+    load_stream(a->exp_avg_sq, s->exp_avg_sq, i, n, ps->in[ADAMW_EXP_AVG_SQ], v);
+    math(p, m, v, g, n, s->decay && k->decays, k, rule);
     if (a->mode == ADAMW_MINMAX) {
-        if (scaled(a->master)) track(minmax + 2 * ADAMW_MASTER, p);
-        if (scaled(a->exp_avg)) track(minmax + 2 * ADAMW_EXP_AVG, m);
-        if (scaled(a->exp_avg_sq)) track(minmax + 2 * ADAMW_EXP_AVG_SQ, v);
+        const int dtypes[3] = {a->master, a->exp_avg, a->exp_avg_sq};
+        const float *values[3] = {p, m, v};
+        for (int st = 0; st < 3; st++)
+            if (scaled(dtypes[st]))
+                for (int e = 0; e < n; e++) track(minmax + 2 * st, values[st][e]);
         return;
     }
     /* the weights from the fp32 result, before a scaled master is rounded (TE's order) */
+    uint16_t *w = (uint16_t *)s->weights_out;
     if (a->master == ADAMW_REM16) {
-        uint32_t u = f2u(p);
-        ((uint16_t *)s->weights_out)[i] = te_high(u);
-        ((int16_t *)s->master_out)[i] = (int16_t)(u & 0xFFFFu);
+        for (int e = 0; e < n; e++) {
+            uint32_t u = f2u(p[e]);
+            w[i + e] = te_high(u);
+            ((int16_t *)s->master_out)[i + e] = (int16_t)(u & 0xFFFFu);
+        }
     } else {
-        if (a->weights == ADAMW_BF16)
-            ((uint16_t *)s->weights_out)[i] =
-                a->weights_round == ADAMW_ROUND_TE ? te_high(f2u(p)) : f32_to_bf16(p);
+        if (a->weights == ADAMW_BF16 && a->weights_round == ADAMW_ROUND_TE)
+            for (int e = 0; e < n; e++) w[i + e] = te_high(f2u(p[e]));
+        else if (a->weights == ADAMW_BF16)
+            for (int e = 0; e < n; e++) w[i + e] = f32_to_bf16(p[e]);
         else if (a->weights == ADAMW_F16)
-            ((uint16_t *)s->weights_out)[i] = f32_to_f16(p);
-        store(a->master, s->master_out, i, p, ps->out[ADAMW_MASTER], ps->q[ADAMW_MASTER]);
+            for (int e = 0; e < n; e++) w[i + e] = f32_to_f16(p[e]);
+        store_stream(a->master, s->master_out, i, n, p, ps->out[ADAMW_MASTER],
+                     ps->q[ADAMW_MASTER]);
     }
-    store(a->exp_avg, s->exp_avg_out, i, m, ps->out[ADAMW_EXP_AVG], ps->q[ADAMW_EXP_AVG]);
-    store(a->exp_avg_sq, s->exp_avg_sq_out, i, v, ps->out[ADAMW_EXP_AVG_SQ],
-          ps->q[ADAMW_EXP_AVG_SQ]);
+    store_stream(a->exp_avg, s->exp_avg_out, i, n, m, ps->out[ADAMW_EXP_AVG],
+                 ps->q[ADAMW_EXP_AVG]);
+    store_stream(a->exp_avg_sq, s->exp_avg_sq_out, i, n, v, ps->out[ADAMW_EXP_AVG_SQ],
+                 ps->q[ADAMW_EXP_AVG_SQ]);
 }
 
 static void generic_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
                         int rule, const piece_scales *ps, float *minmax) {
-    for (int64_t i = lo; i < hi; i++) update_one(j, s, i, rule, ps, minmax);
+    for (int64_t i = lo; i < hi; i += BATCH)
+        update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
+                     scalar_math);
 }
 
-/* ---------------------------------------------------------------- AVX2 */
+/* ---------------------------------------------------------------- SIMD
+ * The blocks run torch's vector rule on the dtypes that carry the throughput, taken as
+ * constants (each dispatch level below turns one runtime value into a literal, and
+ * always_inline makes one loop per combination): the gradient F32 or BF16, both moments F32
+ * or both BF16, and the master with its weights (mw). Everything else goes element by
+ * element: torch's tail rule (at most lanes - 1 elements of a tensor), its plain build, and
+ * the scaled dtypes. Weight decay and an absent clip are multiplies by exactly 1 here, which
+ * change no bit (x * 1.0f is x), so the blocks do not branch on them. */
 #if defined(__x86_64__)
 #define AVX2_FN static inline __attribute__((always_inline, target("avx2,fma")))
 
 typedef struct {
-    __m256 decay_factor, coeff, b2, c2, bc2_sqrt, eps, neg_step, clip;
+    __m256 decay, clip, small, coeff, b2, c2, bc2_sqrt, eps, neg_step;
 } avx2_consts;
 
 AVX2_FN __m256 avx2_load(int dtype, const void *base, int64_t i) {
@@ -303,8 +383,8 @@ AVX2_FN __m128i avx2_bf16(__m256 x) {   /* f32_to_bf16, eight at a time */
     return avx2_pack16(_mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0xFFFF))));
 }
 
-AVX2_FN __m256i avx2_te_high(__m256i u) {
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16);
+AVX2_FN __m128i avx2_te_high(__m256i u) {   /* te_high, eight at a time */
+    return avx2_pack16(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16));
 }
 
 AVX2_FN void avx2_store(int dtype, void *base, int64_t i, __m256 x) {
@@ -314,24 +394,11 @@ AVX2_FN void avx2_store(int dtype, void *base, int64_t i, __m256 x) {
         _mm_storeu_si128((__m128i *)((uint16_t *)base + i), avx2_bf16(x));
 }
 
-AVX2_FN void avx2_block(const job_t *j, const avx2_consts *c, const adamw_segment *s,
-                        int64_t i, int rule, int decay) {
-    const adamw_args *a = j->args;
-    __m256 g = avx2_load(a->grad, s->grad, i), p;
-    if (j->k.has_clip) g = _mm256_mul_ps(g, c->clip);
-    if (a->master == ADAMW_REM16) {
-        __m128i hi = _mm_loadu_si128((const __m128i *)((const uint16_t *)s->weights + i));
-        __m128i rem = _mm_loadu_si128((const __m128i *)((const int16_t *)s->master + i));
-        p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16),
-                                                 _mm256_cvtepi16_epi32(rem)));
-    } else {
-        p = _mm256_loadu_ps((const float *)s->master + i);
-    }
-    __m256 m = avx2_load(a->exp_avg, s->exp_avg, i);
-    __m256 v = avx2_load(a->exp_avg_sq, s->exp_avg_sq, i);
-    /* adamw_math, eight at a time */
-    if (decay) p = _mm256_mul_ps(p, c->decay_factor);
-    __m256 base = j->k.small ? m : g, c2g = _mm256_mul_ps(c->c2, g);
+/* adamw_math, eight at a time */
+AVX2_FN void avx2_math(__m256 *pp, __m256 *pm, __m256 *pv, __m256 g, const avx2_consts *c,
+                       int rule) {
+    __m256 p = _mm256_mul_ps(*pp, c->decay), m = *pm, v = *pv;
+    __m256 base = _mm256_blendv_ps(g, m, c->small), c2g = _mm256_mul_ps(c->c2, g);
     if (rule == RULE_PLAIN) {
         m = _mm256_add_ps(_mm256_mul_ps(c->coeff, _mm256_sub_ps(g, m)), base);
         v = _mm256_add_ps(_mm256_mul_ps(v, c->b2), _mm256_mul_ps(c2g, g));
@@ -341,50 +408,118 @@ AVX2_FN void avx2_block(const job_t *j, const avx2_consts *c, const adamw_segmen
                                 : _mm256_fmadd_ps(v, c->b2, _mm256_mul_ps(c2g, g));
     }
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c->bc2_sqrt), c->eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step, m), denom));
+    *pp = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step, m), denom));
+    *pm = m;
+    *pv = v;
+}
+
+AVX2_FN avx2_consts avx2_constants(const consts_t *k, int decay) {
+    avx2_consts c = {_mm256_set1_ps(decay ? k->decay_factor : 1.0f),
+                     _mm256_set1_ps(k->has_clip ? k->clip : 1.0f),
+                     _mm256_castsi256_ps(_mm256_set1_epi32(k->small ? -1 : 0)),
+                     _mm256_set1_ps(k->coeff), _mm256_set1_ps(k->b2), _mm256_set1_ps(k->c2),
+                     _mm256_set1_ps(k->bc2_sqrt), _mm256_set1_ps(k->eps),
+                     _mm256_set1_ps(k->neg_step)};
+    return c;
+}
+
+AVX2_FN void avx2_block(const avx2_consts *c, const adamw_segment *s, int64_t i, int grad,
+                        int moments, int mw) {
+    __m256 g = _mm256_mul_ps(avx2_load(grad, s->grad, i), c->clip), p;
+    if (mw == MW_REM16) {   /* te_join */
+        __m128i hi = _mm_loadu_si128((const __m128i *)((const uint16_t *)s->weights + i));
+        __m128i rem = _mm_loadu_si128((const __m128i *)((const int16_t *)s->master + i));
+        p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16),
+                                                 _mm256_cvtepi16_epi32(rem)));
+    } else {
+        p = _mm256_loadu_ps((const float *)s->master + i);
+    }
+    __m256 m = avx2_load(moments, s->exp_avg, i), v = avx2_load(moments, s->exp_avg_sq, i);
+    avx2_math(&p, &m, &v, g, c, RULE_VECTOR);
     __m256i u = _mm256_castps_si256(p);
-    if (a->master == ADAMW_REM16) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)s->weights_out + i), avx2_pack16(avx2_te_high(u)));
+    if (mw == MW_REM16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)s->weights_out + i), avx2_te_high(u));
         _mm_storeu_si128((__m128i *)((int16_t *)s->master_out + i),
                          avx2_pack16(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))));
     } else {
         _mm256_storeu_ps((float *)s->master_out + i, p);
-        if (a->weights == ADAMW_BF16)
+        if (mw != MW_F32)
             _mm_storeu_si128((__m128i *)((uint16_t *)s->weights_out + i),
-                             a->weights_round == ADAMW_ROUND_TE ? avx2_pack16(avx2_te_high(u))
-                                                                : avx2_bf16(p));
+                             mw == MW_TE ? avx2_te_high(u) : avx2_bf16(p));
     }
-    avx2_store(a->exp_avg, s->exp_avg_out, i, m);
-    avx2_store(a->exp_avg_sq, s->exp_avg_sq_out, i, v);
+    avx2_store(moments, s->exp_avg_out, i, m);
+    avx2_store(moments, s->exp_avg_sq_out, i, v);
 }
 
-__attribute__((target("avx2,fma")))
-static void avx2_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi, int rule,
-                     const piece_scales *ps, float *minmax) {
-    const consts_t *k = &j->k;
-    avx2_consts c = {_mm256_set1_ps(k->decay_factor), _mm256_set1_ps(k->coeff),
-                     _mm256_set1_ps(k->b2), _mm256_set1_ps(k->c2), _mm256_set1_ps(k->bc2_sqrt),
-                     _mm256_set1_ps(k->eps), _mm256_set1_ps(k->neg_step), _mm256_set1_ps(k->clip)};
-    int decay = s->decay && k->decays;
-    int64_t i = lo;
-    /* one loop per rule, so that each is compiled with its rule fixed; dtypes the blocks do
-       not take run element by element below (with this variant's FMA instruction) */
-    if (!j->fast)
-        ;
-    else if (rule == RULE_VECTOR)
-        for (; i + 8 <= hi; i += 8) avx2_block(j, &c, s, i, RULE_VECTOR, decay);
-    else if (rule == RULE_TAIL)
-        for (; i + 8 <= hi; i += 8) avx2_block(j, &c, s, i, RULE_TAIL, decay);
+AVX2_FN void avx2_loop(const avx2_consts *c, const adamw_segment *s, int64_t i, int64_t end,
+                       int grad, int moments, int mw) {
+    adamw_segment seg = *s;   /* a local copy: its pointers stay in registers */
+    for (; i < end; i += 8) avx2_block(c, &seg, i, grad, moments, mw);
+}
+
+AVX2_FN void avx2_loop_mw(const avx2_consts *c, const adamw_segment *s, int64_t i, int64_t end,
+                          int grad, int moments, int mw) {
+    switch (mw) {
+    case MW_F32: avx2_loop(c, s, i, end, grad, moments, MW_F32); break;
+    case MW_EVEN: avx2_loop(c, s, i, end, grad, moments, MW_EVEN); break;
+    case MW_TE: avx2_loop(c, s, i, end, grad, moments, MW_TE); break;
+    default: avx2_loop(c, s, i, end, grad, moments, MW_REM16);
+    }
+}
+
+AVX2_FN void avx2_loop_moments(const avx2_consts *c, const adamw_segment *s, int64_t i,
+                               int64_t end, int grad, int moments, int mw) {
+    if (moments == ADAMW_F32)
+        avx2_loop_mw(c, s, i, end, grad, ADAMW_F32, mw);
     else
-        for (; i + 8 <= hi; i += 8) avx2_block(j, &c, s, i, RULE_PLAIN, decay);
-    for (; i < hi; i++) update_one(j, s, i, rule, ps, minmax);
+        avx2_loop_mw(c, s, i, end, grad, ADAMW_BF16, mw);
 }
 
-/* ---------------------------------------------------------------- AVX-512 */
+/* [lo, end) of a segment by blocks of eight (vector rule); returns end */
+__attribute__((target("avx2,fma")))
+static int64_t avx2_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi) {
+    avx2_consts c = avx2_constants(&j->k, s->decay && j->k.decays);
+    int64_t end = lo + (hi - lo) / 8 * 8;
+    if (j->args->grad == ADAMW_F32)
+        avx2_loop_moments(&c, s, lo, end, ADAMW_F32, j->args->exp_avg, j->mw);
+    else
+        avx2_loop_moments(&c, s, lo, end, ADAMW_BF16, j->args->exp_avg, j->mw);
+    return end;
+}
+
+/* A batch's arithmetic by 8 (the clip is applied already: the multiply by 1 of c.clip is
+   not used here) */
+__attribute__((target("avx2,fma")))
+static void avx2_batch_math(float *p, float *m, float *v, const float *g, int n, int decay,
+                            const consts_t *k, int rule) {
+    avx2_consts c = avx2_constants(k, decay);
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {
+        __m256 pe = _mm256_loadu_ps(p + e), me = _mm256_loadu_ps(m + e);
+        __m256 ve = _mm256_loadu_ps(v + e);
+        avx2_math(&pe, &me, &ve, _mm256_loadu_ps(g + e), &c, rule);
+        _mm256_storeu_ps(p + e, pe);
+        _mm256_storeu_ps(m + e, me);
+        _mm256_storeu_ps(v + e, ve);
+    }
+    for (; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 1);
+}
+
+/* The batches of the generic variant with AVX2 arithmetic (AVX2 and AVX-512 machines) */
+__attribute__((target("avx2,fma")))
+static void fma_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi, int rule,
+                    const piece_scales *ps, float *minmax) {
+    for (int64_t i = lo; i < hi; i += BATCH)
+        update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
+                     avx2_batch_math);
+}
+
+/* ---------------------------------------------------------------- AVX-512: the same, by 16 */
 #define AVX512_FN static inline __attribute__((always_inline, target("avx512f,avx2,fma")))
 
 typedef struct {
-    __m512 decay_factor, coeff, b2, c2, bc2_sqrt, eps, neg_step, clip;
+    __m512 decay, clip, coeff, b2, c2, bc2_sqrt, eps, neg_step;
+    __mmask16 small;
 } avx512_consts;
 
 AVX512_FN __m512 avx512_load(int dtype, const void *base, int64_t i) {
@@ -402,8 +537,9 @@ AVX512_FN __m256i avx512_bf16(__m512 x) {   /* f32_to_bf16, sixteen at a time */
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xFFFF)));
 }
 
-AVX512_FN __m512i avx512_te_high(__m512i u) {
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16);
+AVX512_FN __m256i avx512_te_high(__m512i u) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)),
+                                                   16));
 }
 
 AVX512_FN void avx512_store(int dtype, void *base, int64_t i, __m512 x) {
@@ -413,12 +549,10 @@ AVX512_FN void avx512_store(int dtype, void *base, int64_t i, __m512 x) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), avx512_bf16(x));
 }
 
-AVX512_FN void avx512_block(const job_t *j, const avx512_consts *c, const adamw_segment *s,
-                            int64_t i, int rule, int decay) {
-    const adamw_args *a = j->args;
-    __m512 g = avx512_load(a->grad, s->grad, i), p;
-    if (j->k.has_clip) g = _mm512_mul_ps(g, c->clip);
-    if (a->master == ADAMW_REM16) {
+AVX512_FN void avx512_block(const avx512_consts *c, const adamw_segment *s, int64_t i, int grad,
+                            int moments, int mw) {
+    __m512 g = _mm512_mul_ps(avx512_load(grad, s->grad, i), c->clip), p;
+    if (mw == MW_REM16) {
         __m256i hi = _mm256_loadu_si256((const __m256i *)((const uint16_t *)s->weights + i));
         __m256i rem = _mm256_loadu_si256((const __m256i *)((const int16_t *)s->master + i));
         p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16),
@@ -426,55 +560,64 @@ AVX512_FN void avx512_block(const job_t *j, const avx512_consts *c, const adamw_
     } else {
         p = _mm512_loadu_ps((const float *)s->master + i);
     }
-    __m512 m = avx512_load(a->exp_avg, s->exp_avg, i);
-    __m512 v = avx512_load(a->exp_avg_sq, s->exp_avg_sq, i);
-    if (decay) p = _mm512_mul_ps(p, c->decay_factor);
-    __m512 base = j->k.small ? m : g, c2g = _mm512_mul_ps(c->c2, g);
-    if (rule == RULE_PLAIN) {
-        m = _mm512_add_ps(_mm512_mul_ps(c->coeff, _mm512_sub_ps(g, m)), base);
-        v = _mm512_add_ps(_mm512_mul_ps(v, c->b2), _mm512_mul_ps(c2g, g));
-    } else {
-        m = _mm512_fmadd_ps(c->coeff, _mm512_sub_ps(g, m), base);
-        v = rule == RULE_VECTOR ? _mm512_fmadd_ps(c2g, g, _mm512_mul_ps(v, c->b2))
-                                : _mm512_fmadd_ps(v, c->b2, _mm512_mul_ps(c2g, g));
-    }
+    __m512 m = avx512_load(moments, s->exp_avg, i), v = avx512_load(moments, s->exp_avg_sq, i);
+    p = _mm512_mul_ps(p, c->decay);
+    m = _mm512_fmadd_ps(c->coeff, _mm512_sub_ps(g, m), _mm512_mask_mov_ps(g, c->small, m));
+    v = _mm512_fmadd_ps(_mm512_mul_ps(c->c2, g), g, _mm512_mul_ps(v, c->b2));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step, m), denom));
     __m512i u = _mm512_castps_si512(p);
-    if (a->master == ADAMW_REM16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)s->weights_out + i),
-                            _mm512_cvtepi32_epi16(avx512_te_high(u)));
+    if (mw == MW_REM16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)s->weights_out + i), avx512_te_high(u));
         _mm256_storeu_si256((__m256i *)((int16_t *)s->master_out + i), _mm512_cvtepi32_epi16(u));
     } else {
         _mm512_storeu_ps((float *)s->master_out + i, p);
-        if (a->weights == ADAMW_BF16)
+        if (mw != MW_F32)
             _mm256_storeu_si256((__m256i *)((uint16_t *)s->weights_out + i),
-                                a->weights_round == ADAMW_ROUND_TE
-                                    ? _mm512_cvtepi32_epi16(avx512_te_high(u)) : avx512_bf16(p));
+                                mw == MW_TE ? avx512_te_high(u) : avx512_bf16(p));
     }
-    avx512_store(a->exp_avg, s->exp_avg_out, i, m);
-    avx512_store(a->exp_avg_sq, s->exp_avg_sq_out, i, v);
+    avx512_store(moments, s->exp_avg_out, i, m);
+    avx512_store(moments, s->exp_avg_sq_out, i, v);
+}
+
+AVX512_FN void avx512_loop(const avx512_consts *c, const adamw_segment *s, int64_t i,
+                           int64_t end, int grad, int moments, int mw) {
+    adamw_segment seg = *s;
+    for (; i < end; i += 16) avx512_block(c, &seg, i, grad, moments, mw);
+}
+
+AVX512_FN void avx512_loop_mw(const avx512_consts *c, const adamw_segment *s, int64_t i,
+                              int64_t end, int grad, int moments, int mw) {
+    switch (mw) {
+    case MW_F32: avx512_loop(c, s, i, end, grad, moments, MW_F32); break;
+    case MW_EVEN: avx512_loop(c, s, i, end, grad, moments, MW_EVEN); break;
+    case MW_TE: avx512_loop(c, s, i, end, grad, moments, MW_TE); break;
+    default: avx512_loop(c, s, i, end, grad, moments, MW_REM16);
+    }
+}
+
+AVX512_FN void avx512_loop_moments(const avx512_consts *c, const adamw_segment *s, int64_t i,
+                                   int64_t end, int grad, int moments, int mw) {
+    if (moments == ADAMW_F32)
+        avx512_loop_mw(c, s, i, end, grad, ADAMW_F32, mw);
+    else
+        avx512_loop_mw(c, s, i, end, grad, ADAMW_BF16, mw);
 }
 
 __attribute__((target("avx512f,avx2,fma")))
-static void avx512_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
-                       int rule, const piece_scales *ps, float *minmax) {
+static int64_t avx512_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi) {
     const consts_t *k = &j->k;
-    avx512_consts c = {_mm512_set1_ps(k->decay_factor), _mm512_set1_ps(k->coeff),
+    avx512_consts c = {_mm512_set1_ps(s->decay && k->decays ? k->decay_factor : 1.0f),
+                       _mm512_set1_ps(k->has_clip ? k->clip : 1.0f), _mm512_set1_ps(k->coeff),
                        _mm512_set1_ps(k->b2), _mm512_set1_ps(k->c2),
                        _mm512_set1_ps(k->bc2_sqrt), _mm512_set1_ps(k->eps),
-                       _mm512_set1_ps(k->neg_step), _mm512_set1_ps(k->clip)};
-    int decay = s->decay && k->decays;
-    int64_t i = lo;
-    if (!j->fast)
-        ;
-    else if (rule == RULE_VECTOR)
-        for (; i + 16 <= hi; i += 16) avx512_block(j, &c, s, i, RULE_VECTOR, decay);
-    else if (rule == RULE_TAIL)
-        for (; i + 16 <= hi; i += 16) avx512_block(j, &c, s, i, RULE_TAIL, decay);
+                       _mm512_set1_ps(k->neg_step), (__mmask16)(k->small ? 0xFFFF : 0)};
+    int64_t end = lo + (hi - lo) / 16 * 16;
+    if (j->args->grad == ADAMW_F32)
+        avx512_loop_moments(&c, s, lo, end, ADAMW_F32, j->args->exp_avg, j->mw);
     else
-        for (; i + 16 <= hi; i += 16) avx512_block(j, &c, s, i, RULE_PLAIN, decay);
-    for (; i < hi; i++) update_one(j, s, i, rule, ps, minmax);
+        avx512_loop_moments(&c, s, lo, end, ADAMW_BF16, j->args->exp_avg, j->mw);
+    return end;
 }
 #endif /* __x86_64__ */
 
@@ -488,18 +631,18 @@ static void run_range(const job_t *j, const adamw_segment *s, int64_t lo, int64_
     piece_scales ps;
     scales_of(j->args, s->piece, &ps);
     for (int r = 0; r < 2; r++) {
-        if (bounds[r] == bounds[r + 1]) continue;
+        int64_t i = bounds[r];
+        if (i == bounds[r + 1]) continue;
 #if defined(__x86_64__)
-        if (j->isa == ADAMW_AVX512) {
-            avx512_run(j, s, bounds[r], bounds[r + 1], rules[r], &ps, minmax);
-            continue;
-        }
-        if (j->isa == ADAMW_AVX2) {
-            avx2_run(j, s, bounds[r], bounds[r + 1], rules[r], &ps, minmax);
+        if (j->isa != ADAMW_GENERIC) {
+            if (j->mw >= 0 && rules[r] == RULE_VECTOR)
+                i = j->isa == ADAMW_AVX512 ? avx512_vector(j, s, i, bounds[r + 1])
+                                           : avx2_vector(j, s, i, bounds[r + 1]);
+            fma_run(j, s, i, bounds[r + 1], rules[r], &ps, minmax);
             continue;
         }
 #endif
-        generic_run(j, s, bounds[r], bounds[r + 1], rules[r], &ps, minmax);
+        generic_run(j, s, i, bounds[r + 1], rules[r], &ps, minmax);
     }
 }
 
@@ -592,6 +735,18 @@ int adamw_best_isa(void) {
     return have_avx512 ? ADAMW_AVX512 : have_avx2 ? ADAMW_AVX2 : ADAMW_GENERIC;
 }
 
+/* The SIMD blocks' master and weights for these arguments, or -1 where they do not apply */
+static int simd_mw(const adamw_args *a) {
+    if (a->mode != ADAMW_WRITE || a->rules != ADAMW_RULES_FMA || a->grad > ADAMW_BF16 ||
+        a->exp_avg > ADAMW_BF16 || a->exp_avg_sq != a->exp_avg)
+        return -1;
+    if (a->master == ADAMW_REM16) return MW_REM16;
+    if (a->master != ADAMW_F32) return -1;
+    if (a->weights == ADAMW_NONE) return MW_F32;
+    if (a->weights != ADAMW_BF16) return -1;
+    return a->weights_round == ADAMW_ROUND_TE ? MW_TE : MW_EVEN;
+}
+
 static int check_args(const adamw_args *a, const adamw_segment *segs, int64_t nseg,
                       int threads) {
     const int states[3] = {a->master, a->exp_avg, a->exp_avg_sq};
@@ -641,10 +796,7 @@ int adamw_step(const adamw_args *a, const adamw_segment *segs, int64_t nseg, int
     if (!adamw_isa_supported(isa)) return ADAMW_ERR_ISA;
     job_t j = {.args = a, .segs = segs, .nseg = nseg, .isa = isa};
     make_consts(a, &j.k);
-    j.fast = a->mode == ADAMW_WRITE && a->grad <= ADAMW_BF16 &&
-             (a->master == ADAMW_F32 || a->master == ADAMW_REM16) &&
-             a->exp_avg <= ADAMW_BF16 && a->exp_avg_sq <= ADAMW_BF16 &&
-             (a->weights == ADAMW_NONE || a->weights == ADAMW_BF16);
+    j.mw = simd_mw(a);
     j.starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nseg + 1));
     if (!j.starts) return ADAMW_ERR_NOMEM;
     j.starts[0] = 0;
