@@ -361,6 +361,7 @@ static void generic_run(const job_t *j, const adamw_segment *s, int64_t lo, int6
 
 typedef struct {
     __m256 decay, clip, small, coeff, b2, c2, bc2_sqrt, eps, neg_step;
+    int nt[4];   /* non-temporal stores: weights, master, exp_avg, exp_avg_sq (nt_plan) */
 } avx2_consts;
 
 AVX2_FN __m256 avx2_load(int dtype, const void *base, int64_t i) {
@@ -387,11 +388,19 @@ AVX2_FN __m128i avx2_te_high(__m256i u) {   /* te_high, eight at a time */
     return avx2_pack16(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16));
 }
 
-AVX2_FN void avx2_store(int dtype, void *base, int64_t i, __m256 x) {
+AVX2_FN void avx2_put(float *dst, __m256 x, int nt) {
+    if (nt) _mm256_stream_ps(dst, x); else _mm256_storeu_ps(dst, x);
+}
+
+AVX2_FN void avx2_put16(void *dst, __m128i x, int nt) {
+    if (nt) _mm_stream_si128((__m128i *)dst, x); else _mm_storeu_si128((__m128i *)dst, x);
+}
+
+AVX2_FN void avx2_store(int dtype, void *base, int64_t i, __m256 x, int nt) {
     if (dtype == ADAMW_F32)
-        _mm256_storeu_ps((float *)base + i, x);
+        avx2_put((float *)base + i, x, nt);
     else
-        _mm_storeu_si128((__m128i *)((uint16_t *)base + i), avx2_bf16(x));
+        avx2_put16((uint16_t *)base + i, avx2_bf16(x), nt);
 }
 
 /* adamw_math, eight at a time */
@@ -438,17 +447,17 @@ AVX2_FN void avx2_block(const avx2_consts *c, const adamw_segment *s, int64_t i,
     avx2_math(&p, &m, &v, g, c, RULE_VECTOR);
     __m256i u = _mm256_castps_si256(p);
     if (mw == MW_REM16) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)s->weights_out + i), avx2_te_high(u));
-        _mm_storeu_si128((__m128i *)((int16_t *)s->master_out + i),
-                         avx2_pack16(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))));
+        avx2_put16((uint16_t *)s->weights_out + i, avx2_te_high(u), c->nt[0]);
+        avx2_put16((int16_t *)s->master_out + i,
+                   avx2_pack16(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))), c->nt[1]);
     } else {
-        _mm256_storeu_ps((float *)s->master_out + i, p);
+        avx2_put((float *)s->master_out + i, p, c->nt[1]);
         if (mw != MW_F32)
-            _mm_storeu_si128((__m128i *)((uint16_t *)s->weights_out + i),
-                             mw == MW_TE ? avx2_te_high(u) : avx2_bf16(p));
+            avx2_put16((uint16_t *)s->weights_out + i,
+                       mw == MW_TE ? avx2_te_high(u) : avx2_bf16(p), c->nt[0]);
     }
-    avx2_store(moments, s->exp_avg_out, i, m);
-    avx2_store(moments, s->exp_avg_sq_out, i, v);
+    avx2_store(moments, s->exp_avg_out, i, m, c->nt[2]);
+    avx2_store(moments, s->exp_avg_sq_out, i, v, c->nt[3]);
 }
 
 AVX2_FN void avx2_loop(const avx2_consts *c, const adamw_segment *s, int64_t i, int64_t end,
@@ -475,15 +484,18 @@ AVX2_FN void avx2_loop_moments(const avx2_consts *c, const adamw_segment *s, int
         avx2_loop_mw(c, s, i, end, grad, ADAMW_BF16, mw);
 }
 
-/* [lo, end) of a segment by blocks of eight (vector rule); returns end */
+/* [lo, end) of a segment by blocks of eight (vector rule); returns end. nt: nt_plan's */
 __attribute__((target("avx2,fma")))
-static int64_t avx2_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi) {
+static int64_t avx2_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
+                           const int nt[4]) {
     avx2_consts c = avx2_constants(&j->k, s->decay && j->k.decays);
+    memcpy(c.nt, nt, sizeof(c.nt));
     int64_t end = lo + (hi - lo) / 8 * 8;
     if (j->args->grad == ADAMW_F32)
         avx2_loop_moments(&c, s, lo, end, ADAMW_F32, j->args->exp_avg, j->mw);
     else
         avx2_loop_moments(&c, s, lo, end, ADAMW_BF16, j->args->exp_avg, j->mw);
+    if (nt[0] || nt[1] || nt[2] || nt[3]) _mm_sfence();   /* before the threads are joined */
     return end;
 }
 
@@ -520,6 +532,7 @@ static void fma_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t 
 typedef struct {
     __m512 decay, clip, coeff, b2, c2, bc2_sqrt, eps, neg_step;
     __mmask16 small;
+    int nt[4];
 } avx512_consts;
 
 AVX512_FN __m512 avx512_load(int dtype, const void *base, int64_t i) {
@@ -542,11 +555,19 @@ AVX512_FN __m256i avx512_te_high(__m512i u) {
                                                    16));
 }
 
-AVX512_FN void avx512_store(int dtype, void *base, int64_t i, __m512 x) {
+AVX512_FN void avx512_put(float *dst, __m512 x, int nt) {
+    if (nt) _mm512_stream_ps(dst, x); else _mm512_storeu_ps(dst, x);
+}
+
+AVX512_FN void avx512_put16(void *dst, __m256i x, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)dst, x); else _mm256_storeu_si256((__m256i *)dst, x);
+}
+
+AVX512_FN void avx512_store(int dtype, void *base, int64_t i, __m512 x, int nt) {
     if (dtype == ADAMW_F32)
-        _mm512_storeu_ps((float *)base + i, x);
+        avx512_put((float *)base + i, x, nt);
     else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), avx512_bf16(x));
+        avx512_put16((uint16_t *)base + i, avx512_bf16(x), nt);
 }
 
 AVX512_FN void avx512_block(const avx512_consts *c, const adamw_segment *s, int64_t i, int grad,
@@ -568,16 +589,16 @@ AVX512_FN void avx512_block(const avx512_consts *c, const adamw_segment *s, int6
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step, m), denom));
     __m512i u = _mm512_castps_si512(p);
     if (mw == MW_REM16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)s->weights_out + i), avx512_te_high(u));
-        _mm256_storeu_si256((__m256i *)((int16_t *)s->master_out + i), _mm512_cvtepi32_epi16(u));
+        avx512_put16((uint16_t *)s->weights_out + i, avx512_te_high(u), c->nt[0]);
+        avx512_put16((int16_t *)s->master_out + i, _mm512_cvtepi32_epi16(u), c->nt[1]);
     } else {
-        _mm512_storeu_ps((float *)s->master_out + i, p);
+        avx512_put((float *)s->master_out + i, p, c->nt[1]);
         if (mw != MW_F32)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)s->weights_out + i),
-                                mw == MW_TE ? avx512_te_high(u) : avx512_bf16(p));
+            avx512_put16((uint16_t *)s->weights_out + i,
+                         mw == MW_TE ? avx512_te_high(u) : avx512_bf16(p), c->nt[0]);
     }
-    avx512_store(moments, s->exp_avg_out, i, m);
-    avx512_store(moments, s->exp_avg_sq_out, i, v);
+    avx512_store(moments, s->exp_avg_out, i, m, c->nt[2]);
+    avx512_store(moments, s->exp_avg_sq_out, i, v, c->nt[3]);
 }
 
 AVX512_FN void avx512_loop(const avx512_consts *c, const adamw_segment *s, int64_t i,
@@ -605,21 +626,59 @@ AVX512_FN void avx512_loop_moments(const avx512_consts *c, const adamw_segment *
 }
 
 __attribute__((target("avx512f,avx2,fma")))
-static int64_t avx512_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi) {
+static int64_t avx512_vector(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
+                             const int nt[4]) {
     const consts_t *k = &j->k;
     avx512_consts c = {_mm512_set1_ps(s->decay && k->decays ? k->decay_factor : 1.0f),
                        _mm512_set1_ps(k->has_clip ? k->clip : 1.0f), _mm512_set1_ps(k->coeff),
                        _mm512_set1_ps(k->b2), _mm512_set1_ps(k->c2),
                        _mm512_set1_ps(k->bc2_sqrt), _mm512_set1_ps(k->eps),
                        _mm512_set1_ps(k->neg_step), (__mmask16)(k->small ? 0xFFFF : 0)};
+    memcpy(c.nt, nt, sizeof(c.nt));
     int64_t end = lo + (hi - lo) / 16 * 16;
     if (j->args->grad == ADAMW_F32)
         avx512_loop_moments(&c, s, lo, end, ADAMW_F32, j->args->exp_avg, j->mw);
     else
         avx512_loop_moments(&c, s, lo, end, ADAMW_BF16, j->args->exp_avg, j->mw);
+    if (nt[0] || nt[1] || nt[2] || nt[3]) _mm_sfence();
     return end;
 }
 #endif /* __x86_64__ */
+
+#if defined(__x86_64__)
+/* Non-temporal stores for the outputs nothing reads here (the weights of an fp32 master,
+   every state written out of place): they skip the read of each line before it is written
+   (read-for-ownership), a sixth of the traffic of an fp32 update's weights, and leave the
+   cache to the inputs. They need aligned addresses: the SIMD loop starts where the first
+   such stream is aligned (the elements before it, fewer than a block, go by batch), and
+   each such stream takes them when it is aligned there too. Returns that start. */
+static int64_t nt_plan(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
+                       int nt[4]) {
+    const int block = j->isa == ADAMW_AVX512 ? 16 : 8;
+    const int f32 = j->mw != MW_REM16;   /* the master's stored size: 4, or 2 (remainders) */
+    void *outs[4] = {s->weights_out, s->master_out, s->exp_avg_out, s->exp_avg_sq_out};
+    const void *ins[4] = {s->weights, s->master, s->exp_avg, s->exp_avg_sq};
+    int size[4] = {2, f32 ? 4 : 2, j->args->exp_avg == ADAMW_F32 ? 4 : 2,
+                   j->args->exp_avg_sq == ADAMW_F32 ? 4 : 2};
+    int64_t start = lo;
+    int first = 1;
+    for (int st = 0; st < 4; st++) {
+        nt[st] = 0;
+        if (!outs[st] || outs[st] == ins[st] || (st == 0 && j->mw == MW_F32)) continue;
+        uintptr_t align = (uintptr_t)block * (uintptr_t)size[st];   /* one block's bytes */
+        uintptr_t at = (uintptr_t)outs[st] + (uintptr_t)(start * size[st]);
+        if (first) {   /* the first write-only stream sets where the loop starts */
+            if (at % (uintptr_t)size[st]) return lo;
+            start += (int64_t)(((align - at % align) % align) / (uintptr_t)size[st]);
+            if (start > hi) return lo;
+            first = 0;
+            at = (uintptr_t)outs[st] + (uintptr_t)(start * size[st]);
+        }
+        nt[st] = at % align == 0;
+    }
+    return start;
+}
+#endif
 
 /* Elements [lo, hi) of one segment: the vector rule up to s->vector, the tail rule after */
 static void run_range(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
@@ -635,9 +694,13 @@ static void run_range(const job_t *j, const adamw_segment *s, int64_t lo, int64_
         if (i == bounds[r + 1]) continue;
 #if defined(__x86_64__)
         if (j->isa != ADAMW_GENERIC) {
-            if (j->mw >= 0 && rules[r] == RULE_VECTOR)
-                i = j->isa == ADAMW_AVX512 ? avx512_vector(j, s, i, bounds[r + 1])
-                                           : avx2_vector(j, s, i, bounds[r + 1]);
+            if (j->mw >= 0 && rules[r] == RULE_VECTOR) {
+                int nt[4];
+                int64_t start = nt_plan(j, s, i, bounds[r + 1], nt);
+                fma_run(j, s, i, start, rules[r], &ps, minmax);
+                i = j->isa == ADAMW_AVX512 ? avx512_vector(j, s, start, bounds[r + 1], nt)
+                                           : avx2_vector(j, s, start, bounds[r + 1], nt);
+            }
             fma_run(j, s, i, bounds[r + 1], rules[r], &ps, minmax);
             continue;
         }
@@ -848,17 +911,31 @@ typedef struct {
 } bound_t;
 
 #if defined(__x86_64__)
+/* the elements before w + i is aligned to `bytes`, or all of them when it cannot be */
+static int64_t bound_peel(const bound_t *b, int64_t i, int64_t hi, uintptr_t bytes) {
+    int64_t stop = i;
+    while (stop < hi && ((uintptr_t)(b->w + stop)) % bytes) stop++;
+    for (int64_t e = i; e < stop; e++) {
+        b->p[e] += b->g[e]; b->m[e] += b->g[e]; b->v[e] += b->g[e];
+        b->w[e] = (uint16_t)(f2u(b->p[e]) >> 16);
+    }
+    return stop;
+}
+
+/* The same stores as adamw_step's: in place for p, m, v, non-temporal for w (write-only) */
 __attribute__((target("avx2,fma")))
 static void bound_avx2(const bound_t *b, int64_t i, int64_t hi) {
+    i = bound_peel(b, i, hi, 16);
     for (; i + 8 <= hi; i += 8) {
         __m256 g = _mm256_loadu_ps(b->g + i);
         __m256 p = _mm256_add_ps(_mm256_loadu_ps(b->p + i), g);
         _mm256_storeu_ps(b->p + i, p);
         _mm256_storeu_ps(b->m + i, _mm256_add_ps(_mm256_loadu_ps(b->m + i), g));
         _mm256_storeu_ps(b->v + i, _mm256_add_ps(_mm256_loadu_ps(b->v + i), g));
-        _mm_storeu_si128((__m128i *)(b->w + i),
+        _mm_stream_si128((__m128i *)(b->w + i),
                          avx2_pack16(_mm256_srli_epi32(_mm256_castps_si256(p), 16)));
     }
+    _mm_sfence();
     for (; i < hi; i++) {
         b->p[i] += b->g[i]; b->m[i] += b->g[i]; b->v[i] += b->g[i];
         b->w[i] = (uint16_t)(f2u(b->p[i]) >> 16);
@@ -867,15 +944,17 @@ static void bound_avx2(const bound_t *b, int64_t i, int64_t hi) {
 
 __attribute__((target("avx512f,avx2,fma")))
 static void bound_avx512(const bound_t *b, int64_t i, int64_t hi) {
+    i = bound_peel(b, i, hi, 32);
     for (; i + 16 <= hi; i += 16) {
         __m512 g = _mm512_loadu_ps(b->g + i);
         __m512 p = _mm512_add_ps(_mm512_loadu_ps(b->p + i), g);
         _mm512_storeu_ps(b->p + i, p);
         _mm512_storeu_ps(b->m + i, _mm512_add_ps(_mm512_loadu_ps(b->m + i), g));
         _mm512_storeu_ps(b->v + i, _mm512_add_ps(_mm512_loadu_ps(b->v + i), g));
-        _mm256_storeu_si256((__m256i *)(b->w + i),
+        _mm256_stream_si256((__m256i *)(b->w + i),
                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
     }
+    _mm_sfence();
     bound_avx2(b, i, hi);
 }
 #endif

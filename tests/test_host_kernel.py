@@ -132,6 +132,37 @@ def test_a_piece_cut_into_segments_is_the_kernel_on_the_piece(level, threads):
         _same(got, ref, name)
 
 
+@pytest.mark.parametrize("master_dtype", [F32, "rem"])
+def test_outputs_at_any_alignment(level, master_dtype):
+    """Out of place into buffers that start anywhere (the SIMD loops store non-temporally
+    into outputs nothing reads back where they are aligned, and plainly where not)."""
+    gen = torch.Generator().manual_seed(9)
+    hyper, n = HYPERS[0], 3001
+    for offsets in [(0, 0, 0, 0), (1, 3, 5, 7), (8, 1, 0, 2), (3, 0, 16, 9)]:
+        p, g = _values(n, gen, 1.0), _values(n, gen, 1e-2)
+        m, v = _values(n, gen, 1e-3), _values(n, gen, 1e-5, positive=True)
+        want = _reference(p, g, m, v, hyper, True, None)
+        if master_dtype == "rem":
+            hi, master = split_master_hi(p), split_master_rem(p)
+        else:
+            hi, master = None, p
+        outs = [torch.empty(n + 32, dtype=t.dtype)[off:off + n]
+                for t, off in zip((hi if hi is not None else torch.empty(0, dtype=BF16),
+                                   master, m, v), offsets)]
+        seg = hk.Segment(g, master, m, v, weights=hi, weights_out=outs[0], master_out=outs[1],
+                         exp_avg_out=outs[2], exp_avg_sq_out=outs[3])
+        hk.adamw_update([seg], **hyper)
+        where = f"offsets {offsets}"
+        if master_dtype == "rem":
+            _same(outs[1], split_master_rem(want[0]), f"{where}: remainders")
+            _same(outs[0], split_master_hi(want[0]), f"{where}: weights")
+        else:
+            _same(outs[1], want[0], f"{where}: master")
+            _same(outs[0], want[0].to(BF16), f"{where}: weights")
+        _same(outs[2], want[1], f"{where}: exp_avg")
+        _same(outs[3], want[2], f"{where}: exp_avg_sq")
+
+
 # --- the precision-aware modes ----------------------------------------------------------
 RANGE = {F16: 65504.0 / 2, "fp8": 448.0}
 
