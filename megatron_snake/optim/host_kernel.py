@@ -256,7 +256,7 @@ def _check(segments: list[Segment], weights_rounding: str) -> None:
                 if _state_dtype(t) != dtypes[name]:
                     raise ValueError(f"{name}: every segment's dtype must be "
                                      f"{dtypes[name]}")
-                if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+                if not t.is_cpu or not t.is_contiguous() or t.numel() != n:
                     raise ValueError(f"{name}: contiguous CPU tensors of the segment's "
                                      f"{n} elements")
         if (seg.weights_out is not None) != with_weights:
@@ -265,8 +265,7 @@ def _check(segments: list[Segment], weights_rounding: str) -> None:
                 seg.weights is None or seg.weights.dtype != torch.bfloat16):
             raise ValueError("int16 remainders need the bf16 working weights (weights)")
         for t in (seg.weights, seg.weights_out):
-            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()
-                                  or t.numel() != n):
+            if t is not None and (not t.is_cpu or not t.is_contiguous() or t.numel() != n):
                 raise ValueError("weights: contiguous CPU tensors of the segment's length")
         if seg.weights_out is not None and seg.weights_out.dtype not in (torch.bfloat16,
                                                                           torch.float16):
@@ -332,16 +331,16 @@ def _native_update(segments, isa, *, lr, beta1, beta2, eps, weight_decay, step, 
     if not segments:
         return {}
     first = segments[0]
-    rows = torch.empty((len(segments), _native.SEGMENT_FIELDS), dtype=torch.int64)
     lane_count = lanes()
-    for i, seg in enumerate(segments):
+    fields = []   # adamw_segment's fields, in order (csrc/adamw.h)
+    for seg in segments:
         n = seg.numel
         vector = n - n % lane_count if seg.vector is None else seg.vector
-        rows[i] = torch.tensor([_ptr(seg.grad), _ptr(seg.master), _ptr(seg.exp_avg),
-                                _ptr(seg.exp_avg_sq), _ptr(seg.weights), _ptr(seg.master_out),
-                                _ptr(seg.exp_avg_out), _ptr(seg.exp_avg_sq_out),
-                                _ptr(seg.weights_out), n, vector, seg.piece, int(seg.decay)],
-                               dtype=torch.int64)
+        fields += [_ptr(seg.grad), _ptr(seg.master), _ptr(seg.exp_avg), _ptr(seg.exp_avg_sq),
+                   _ptr(seg.weights), _ptr(seg.master_out), _ptr(seg.exp_avg_out),
+                   _ptr(seg.exp_avg_sq_out), _ptr(seg.weights_out), n, vector, seg.piece,
+                   int(seg.decay)]
+    rows = torch.tensor(fields, dtype=torch.int64)
     capability = torch.backends.cpu.get_cpu_capability()
     kw = dict(grad=_code(first.grad.dtype), master=_code(_state_dtype(first.master)),
               exp_avg=_code(_state_dtype(first.exp_avg)),
