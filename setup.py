@@ -13,10 +13,12 @@ from setuptools.command.build_ext import build_ext
 
 
 class OptionalBuildExt(build_ext):
-    """Build the native I/O engine when possible; a failed build falls back to Python I/O.
+    """Build the native modules when possible; a failed build falls back to Python: the
+    I/O engine (_snake_aio, needs liburing) to Python I/O, the host AdamW update
+    (_snake_adamw) to torch's kernels.
 
-    The engine takes raw pointers and lengths and never links against torch, so one build
-    serves every torch version.
+    Both take raw pointers and lengths and never link against torch, so one build serves
+    every torch version.
     """
 
     def run(self):
@@ -34,9 +36,9 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc):
         sys.stderr.write(
-            f"WARNING: megatron_snake native I/O engine not built ({exc}); "
-            "the pure-Python fallback will be used. Install liburing-dev and a C compiler "
-            "to build it.\n"
+            f"WARNING: a megatron_snake native module not built ({exc}); its fallback "
+            "will be used (Python I/O, torch's AdamW). Install a C compiler (and "
+            "liburing-dev for the I/O engine) to build it.\n"
         )
 
 
@@ -52,7 +54,20 @@ def native_extensions():
             depends=["csrc/engine.h", "csrc/crc32c.h", "csrc/hidden.h"],
             libraries=["uring"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
-        )
+        ),
+        Extension(
+            "megatron_snake._snake_adamw",
+            # the one-pass host AdamW update: its own module so that it builds without
+            # liburing. -ffp-contract=off: no multiply-add is fused but the ones that
+            # reproduce torch's kernel (csrc/adamw.h); -fno-math-errno: sqrtf is the
+            # instruction, as in torch
+            sources=["csrc/snake_adamw.c", "csrc/adamw.c"],
+            depends=["csrc/adamw.h", "csrc/hidden.h"],
+            libraries=["m"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off",
+                                "-fno-math-errno", "-pthread"],
+            extra_link_args=["-pthread"],
+        ),
     ]
 
 

@@ -1,6 +1,6 @@
-/* SNAKE_HIDDEN: a C function internal to the extension module, not exported from the .so
-   (only PyInit__snake_aio is), so a function of the same name in another library can never
-   interpose on ours, or the other way round. */
+/* SNAKE_HIDDEN: a C function internal to an extension module, not exported from its .so
+   (only its PyInit_ function is), so a function of the same name in another library can
+   never interpose on ours, or the other way round. */
 #ifndef SNAKE_HIDDEN_H
 #define SNAKE_HIDDEN_H
 

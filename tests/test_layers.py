@@ -21,7 +21,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_snake"
 LAYERS = [{"storage", "compat", "planner"}, {"placement"}, {"models"}, {"schedule"}, {"optim"},
           {"offload"}, {"training"}, {"megatron_lm"}]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
-NATIVE = {"megatron_snake._snake_aio": "storage"}  # the C engine, bound by storage/engine.py
+# the C modules, each in the layer of the one module that binds it
+NATIVE = {"megatron_snake._snake_aio": "storage",     # the I/O engine: storage/engine.py
+          "megatron_snake._snake_adamw": "optim"}     # the host update: optim/host_kernel.py
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -5,8 +5,9 @@
 #
 #   .gpu/wheels/   megatron-core 0.16.1 for the GPU machine's Python (3.12 by default), and
 #                  kvikio for CUDA 13 with its two missing dependencies (GDS, optional)
-#   .gpu/native/   megatron_snake's native I/O engine built for that Python, with liburing
-#                  linked statically (the GPU machine has no liburing)
+#   .gpu/native/   megatron_snake's native modules built for that Python: the I/O engine
+#                  with liburing linked statically (the GPU machine has no liburing), and
+#                  the host AdamW update (needs no library)
 #   .gpu/bin/fio   a static fio (tools/gpu_check.sh measures the drive's own limit with it),
 #                  built from Debian's fio 3.33 source (deb.debian.org) with io_uring and
 #                  libaio, stripped; skipped with a warning where it cannot be built (the
@@ -86,6 +87,10 @@ suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"
 gcc -O2 -std=gnu11 -Wall -fPIC -shared -I"$inc" csrc/snake_aio.c csrc/engine.c csrc/crc32c.c \
     "$liburing" -lpthread \
     -o ".gpu/native/_snake_aio$suffix"
+# the flags of setup.py's: -ffp-contract=off keeps torch's bits (csrc/adamw.h)
+gcc -O2 -std=gnu11 -Wall -ffp-contract=off -fno-math-errno -pthread -fPIC -shared -I"$inc" \
+    csrc/snake_adamw.c csrc/adamw.c -lm \
+    -o ".gpu/native/_snake_adamw$suffix"
 # a static fio: the GPU machine has none (best effort: the rest is usable without it)
 build_fio() {
     local ver=3.33 sum=d2410e13e0f379d061d077cc5ae325835bb7c6186aa7bafc1df954cbc9b014fc
