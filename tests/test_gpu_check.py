@@ -24,7 +24,7 @@ STEP_BOXES_S = 480           # the steps' boxes of one part together
 EXPECTED = {
     "headline": ["headline", "headline_trace", "optimizer_threads"],
     "plugin": ["plugin_exact", "plugin_bench"],
-    "suite": ["gpu_tests", "demo", "bench_schedule", "bench_zenflow"],
+    "suite": ["gpu_tests", "host_kernel", "demo", "bench_schedule", "bench_zenflow"],
     "zero": ["zero_install", "zero_ops", "zero_m16", "zero_m4_1"],
     "io": ["bench_io", "act_host", "gds_reason", "act_nvme"],
     "plan": ["validate_planner"],

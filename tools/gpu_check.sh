@@ -5,7 +5,6 @@
 # fits one command with a minute to spare, and a step cut short can be run again alone
 # (SNAKE_GPU_ONLY) in what is left. In order of value:
 #
-<<<<<<< HEAD
 #   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 2x the memory given) vs
 #                                            # Megatron with and without full recompute and
 #                                            # Megatron's CPU offload, clip on and off, then
@@ -14,14 +13,8 @@
 #                                            # megatron-core 0.19: equal to plain Megatron-LM
 #                                            # in fp32, checkpoints both ways; bf16 tokens/s
 #                                            # against the own loop
-#   bash tools/gpu_check.sh OUTDIR suite     # tests/gpu, the demo, bench_schedule, ZenFlow
-=======
-#   bash tools/gpu_check.sh OUTDIR headline  # offloaded (state 3x, 10x the memory given) vs
-#                                            # Megatron with and without full recompute;
-#                                            # the trace of one steady step
 #   bash tools/gpu_check.sh OUTDIR suite     # tests/gpu, the host kernel's tests, the demo,
 #                                            # bench_schedule, ZenFlow
->>>>>>> native-adamw
 #   bash tools/gpu_check.sh OUTDIR zero      # side by side with ZeRO-Infinity (M 16, then
 #                                            # M 4 and 1), its ops built in the same command
 #   bash tools/gpu_check.sh OUTDIR io        # the store vs fio, the pinned pool vs a plain
@@ -65,18 +58,14 @@
 #   headline_trace (115)   imports, a build, a warm-up and the recorded step, the export and
 #                          the analysis: 55 s on an H200 at M 3 (the NVMe-bound 1B step's 110 s)
 #   optimizer_threads (35) imports, 6 trials of 1.5 s and their buffers: 20-25 s
-<<<<<<< HEAD
 #   plugin_exact (250)     6 runs of pretrain_gpt.py (10 iterations of a tiny GPT), 15-20 s
 #                          of imports and 10-15 s of start-up each: 150-200 s (CPU: 2 runs
 #                          in 80-90 s)
 #   plugin_bench (170)     2 rounds of 2 runs (4 layers, hidden 2048, 10 iterations in bf16):
 #                          imports and build 25 s, then 1-2 s a step: 120-150 s
-#   gpu_tests (240)        70-90 s; demo (60) 20 s; bench_schedule (110) 2 cases x 3
-=======
-#   gpu_tests (240)        70-90 s; host_kernel (120) imports and its tests at four levels
+#   gpu_tests (180)        70-90 s; host_kernel (60) imports and its tests at four levels
 #                          (torch, generic, avx2, avx512): 30-60 s on the CPU machine;
 #                          demo (60) 20 s; bench_schedule (110) 2 cases x 3
->>>>>>> native-adamw
 #                          variants x 5 steps of about 2 s: 80 s; bench_zenflow (60) 30 s
 #   zero_install (75)      15 s (its sdist takes 7 s of CPU); zero_ops (150) 60-90 s, both
 #                          ops at once; zero_m16 (160) the aio tuning, three child processes
@@ -288,10 +277,10 @@ part_plugin() {
 
 # --- suite: tests/gpu and the demo, then two short benchmarks -----------------------------
 part_suite() {
-    step gpu_tests 240 "$PY" -m pytest -q -rfEs tests/gpu --junitxml="$OUTDIR/gpu_tests.xml" \
+    step gpu_tests 180 "$PY" -m pytest -q -rfEs tests/gpu --junitxml="$OUTDIR/gpu_tests.xml" \
         -o cache_dir=/tmp/pytest_cache
     # the host update's kernel on this machine's CPU (AVX-512, which the CPU machine lacks)
-    step host_kernel 120 "$PY" -m pytest -q -rfEs tests/test_host_kernel.py \
+    step host_kernel 60 "$PY" -m pytest -q -rfEs tests/test_host_kernel.py \
         --junitxml="$OUTDIR/host_kernel.xml" -o cache_dir=/tmp/pytest_cache
     # with the timeline of iteration 2 (draw it here: tools/plot_timeline.py)
     step demo 60 "$PY" examples/pretrain_gpt.py --snake-offload --snake-offload-dir "$SCRATCH" \
