@@ -23,7 +23,7 @@ import torch
 
 from conftest import VOCAB, build_model, expect_flag_error, make_microbatches, tiny_args
 from megatron_snake.models.gpt_units import GPTUnits
-from megatron_snake.optim import host_update
+from megatron_snake.optim import host_kernel
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
 from megatron_snake.optim.parts import PARTS, part_bounds
 from megatron_snake.optim.precision import (FP8, REMAINDER, Precision, join_flat,
@@ -172,7 +172,7 @@ def test_moments_follow_transformer_engines_rounding_rule(megatron_world, tmp_pa
     moments by Transformer Engine's rule (per piece: the scale of a "tensor"); the offloaded
     AdamW's moments and masters are its bits. Chunks of 256 elements, so a piece is
     computed in chunks, twice for its absmax."""
-    monkeypatch.setattr(host_update, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(host_kernel, "CHUNK_ELEMENTS", 256)   # the torch path, where it runs
     params = _tiny_layouts(megatron_world)
     steps, lr, wd, alpha = 6, 2e-3, 0.1, 0.25
     grads = _gradients(params, steps)
@@ -232,10 +232,7 @@ def _train(megatron_world, root, precision_flags, batches, *, te_working_weights
         with build_run(args, megatron_world, VOCAB, log=lambda *a: None) as run:
             opt, weights, store = run.optimizer, run.offloaded.weights, run.tensor_store
             if te_working_weights:
-                def publish(key, part, master, soon=False, name="w"):
-                    weights.publish(key, part, [split_flat(torch.cat(master))[0]], soon,
-                                    name)
-                opt.on_weights = publish
+                opt.host_update.weights_rounding = "te"
                 for lay in weights.params.units:
                     hi = split_flat(opt.layout_state(lay.key)["master"])[0]
                     for part, (lo, hi_) in weights.record_parts(lay):

@@ -1,11 +1,11 @@
 """The offloaded AdamW's update rate per precision mode, against today's fused fp32 update.
 
 Each mode updates the same layout (one transformer layer's parameters at ``--hidden``, plus
-its biases and norms) from states held in memory: no drive, no store, only the update.
-Today's path ("fp32") runs torch's fused AdamW on the fp32 states in place; the
-precision-aware modes (``--use-precision-aware-optimizer``) run the chunked update:
-each chunk of each state loaded into fp32 scratch, the same kernel, rounded back to the
-state's dtype (``HostUpdate.chunked``). Modes alternate, round after round, so
+its biases and norms) from states held in memory: no drive, no store, only the update
+(``HostUpdate.run``: the native one-pass kernel where it is built, else torch's passes,
+``optim/host_kernel.py``; ``SNAKE_ADAMW_ISA=torch`` picks those). ``--chunk-elements``
+sizes the torch path's fp32 chunks (the precision-aware modes load each chunk of each state
+into fp32, run the fused kernel, and round it back). Modes alternate, round after round, so
 a slow second of this shared machine lands on all of them alike; each mode's figure is
 its median.
 
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_snake.optim import host_update  # noqa: E402
+from megatron_snake.optim import host_kernel  # noqa: E402
 from megatron_snake.optim.offloaded_adamw import OffloadedAdamW, StepHyper  # noqa: E402
 from megatron_snake.optim.parts import LANE_ELEMENTS, PARTS  # noqa: E402
 from megatron_snake.optim.precision import FP8, REMAINDER, Precision  # noqa: E402
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="rounds of every mode, alternating")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--chunk-elements", type=int, nargs="+",
-                    default=[host_update.CHUNK_ELEMENTS],
+                    default=[host_kernel.CHUNK_ELEMENTS],
                     help="the chunked update's scratch batch (elements, multiples of "
                          f"{LANE_ELEMENTS}); several: each precision-aware "
                          "mode at each, alternating (default: CHUNK_ELEMENTS)")
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     params = layer_layout(a.hidden)
     numel = params.units[0].numel
     runs: dict = {label: [] for label, _, _ in variants}
-    default_chunk = host_update.CHUNK_ELEMENTS
+    default_chunk = host_kernel.CHUNK_ELEMENTS
     with tempfile.TemporaryDirectory() as tmp, \
             TensorStore(tmp, rank=0, host_memory_limit=1 << 30) as store:
         opts, lent = {}, {}
@@ -161,16 +161,13 @@ def main(argv=None) -> int:
             for label, mode, chunk in variants:
                 opt, hyper = opts[label], StepHyper(rnd + 1, 1e-4, 0.1)
                 # each optimizer sizes its scratch at its first update, at this chunk
-                host_update.CHUNK_ELEMENTS = chunk or default_chunk
+                host_kernel.CHUNK_ELEMENTS = chunk or default_chunk
                 t0 = time.perf_counter()
-                if MODES[mode].fp32:
-                    opt.host_update.in_place(0, "bwd", hyper, None, lent[label])
-                else:
-                    opt.host_update.chunked(0, "bwd", hyper, None, lent[label])
+                opt.host_update.run(0, "bwd", hyper, None, lent[label], lambda *_: None)
                 seconds = time.perf_counter() - t0
                 if rnd:
                     runs[label].append(seconds)
-        host_update.CHUNK_ELEMENTS = default_chunk
+        host_kernel.CHUNK_ELEMENTS = default_chunk
         for opt in opts.values():
             opt.close()
 

@@ -155,10 +155,11 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._read_ahead_order = None   # that order while the backward sweep reads ahead
         self._read_ahead_lock = threading.Lock()   # the chain runs on the store's workers
         self._device_gradients: list = []  # puts of the last gradient still on the device
-        self.host_update = HostUpdate(self.states, beta1=beta1, beta2=beta2, eps=eps)
+        threads = check_optimizer_threads(threads)
+        self.host_update = HostUpdate(self.states, beta1=beta1, beta2=beta2, eps=eps,
+                                      threads=threads)
         self.updates = UpdateWorker(store, self.host_update, tier_of=self.tier_of,
-                                    threads=check_optimizer_threads(threads),
-                                    publish=self._publish)
+                                    threads=threads, publish=self._publish)
         previous: list = []
         for key, lay in self.layouts.items():
             master = initial.flat(lay, dtype=torch.float32) if initial is not None else \
@@ -262,7 +263,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         working-weight records."""
         if self.on_weights is not None:
             self.on_weights(key, part, weights, soon=soon, name=name)
-        elif weights is not lent["master"]:   # remainders: the optimizer's own records
+        elif self.precision.remainders:   # the masters' high halves: the optimizer's records
             self.store.put_converted((name, key, part), weights, self.precision.params,
                                      tier=self.tier_of(key), kind="weights")
 

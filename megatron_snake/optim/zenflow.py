@@ -54,6 +54,7 @@ import torch
 from megatron_snake.errors import FlagError
 from megatron_snake.optim.adamw import (STATES, HostAdamW, check_clip_grad, clip_coefficient,
                                         fused_adamw_, megatron_param_groups)
+from megatron_snake.optim import host_kernel
 from megatron_snake.optim.cpu_threads import budgeted_worker, check_optimizer_threads
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.unit_params import no_weight_decay
@@ -243,8 +244,17 @@ class ZenFlowAdamW(HostAdamW):
         return cached[1]
 
     def _adamw(self, p: _Param, state: dict, grad: torch.Tensor, step: int, hyper=None):
-        fused_adamw_([state["master"]], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-                     self._step_tensor(step, grad.device), **(hyper or self._hyper(p)))
+        hyper = hyper or self._hyper(p)
+        if grad.device.type != "cpu":   # the selected columns, on the device
+            fused_adamw_([state["master"]], [grad], [state["exp_avg"]],
+                         [state["exp_avg_sq"]], self._step_tensor(step, grad.device), **hyper)
+            return
+        # on the host: the offloaded AdamW's one-pass kernel (the same bits as torch's)
+        flat = {name: t.view(-1) for name, t in state.items()}   # contiguous: views
+        host_kernel.adamw_update(
+            [host_kernel.Segment(grad.view(-1), flat["master"], flat["exp_avg"],
+                                 flat["exp_avg_sq"])],
+            step=step, threads=self.threads, **hyper)
 
     def _host_state(self, p: _Param) -> dict:
         return {name: getattr(p, name) for name in STATES}

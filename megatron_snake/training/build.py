@@ -23,6 +23,7 @@ from megatron.core.transformer.module import Float16Module
 import megatron_snake.timeline as timeline
 from megatron_snake.models.gpt_units import unwrap_model
 from megatron_snake.offload.initial_weights import InitialWeights
+from megatron_snake.optim import host_kernel
 from megatron_snake.optim.adamw import HostAdamW
 from megatron_snake.optim.cpu_threads import usable_cores
 from megatron_snake.training import offloaded_state
@@ -160,9 +161,9 @@ def build_run(args: argparse.Namespace, device: torch.device, vocab_size: int, *
             log(state.summary(args))
             paths = ", ".join(d.path for d in tensor_store.dirs)
             log(f"> offload director{'ies' if len(tensor_store.dirs) > 1 else 'y'} {paths}, "
-                f"I/O engine {tensor_store.engine.name}; the optimizer's update on "
-                f"{state.optimizer.threads} CPU thread(s) of {usable_cores()} "
-                "(--snake-optimizer-threads)")
+                f"I/O engine {tensor_store.engine.name}; the optimizer's update "
+                f"{host_kernel.implementation()} on {state.optimizer.threads} CPU thread(s) "
+                f"of {usable_cores()} (--snake-optimizer-threads)")
             model, optimizer = gpt, state.optimizer
             scheduler = (make_scheduler or (lambda o: build_scheduler(args, o)))(optimizer)
             config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
