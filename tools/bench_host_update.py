@@ -129,6 +129,15 @@ class PrecisionMode:
         host_kernel.adamw_update([seg], step=step, clip=CLIP, threads=threads, **HYPER)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -201,7 +210,7 @@ def main(argv=None) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit(), "command": " ".join([os.path.basename(sys.argv[0])] +
                                                       sys.argv[1:]),
-              "machine": platform.node(), "processor": platform.processor(),
+              "machine": platform.node(), "processor": cpu_model(),
               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__,
               "torch_capability": torch.backends.cpu.get_cpu_capability(),
               "implementation": implementation, "threads": a.threads, "params": n,
