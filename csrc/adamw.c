@@ -217,9 +217,20 @@ static void scales_of(const adamw_args *a, int64_t piece, piece_scales *ps) {
     }
 }
 
+/* What a batch does that a variant may do faster: the arithmetic (adamw_math over n
+   elements of float arrays), the fp16 conversions (x times mult in, x times q out), and a
+   state's running (min, max) */
+typedef struct {
+    void (*math)(float *p, float *m, float *v, const float *g, int n, int decay,
+                 const consts_t *k, int rule);
+    void (*load_f16)(const uint16_t *src, int n, float mult, float *out);
+    void (*store_f16)(uint16_t *dst, int n, const float *x, float q);
+    void (*minmax)(const float *x, int n, float *mm);
+} batch_ops;
+
 /* A stream's elements [i, i + n) into float (a scaled dtype times its multiplier) */
 static inline void load_stream(int dtype, const void *base, int64_t i, int n, float mult,
-                               float *out) {
+                               float *out, const batch_ops *ops) {
     switch (dtype) {
     case ADAMW_F32:
         memcpy(out, (const float *)base + i, (size_t)n * sizeof(float));
@@ -228,7 +239,7 @@ static inline void load_stream(int dtype, const void *base, int64_t i, int n, fl
         for (int e = 0; e < n; e++) out[e] = bf16_to_f32(((const uint16_t *)base)[i + e]);
         break;
     case ADAMW_F16:
-        for (int e = 0; e < n; e++) out[e] = f16_to_f32(((const uint16_t *)base)[i + e]) * mult;
+        ops->load_f16((const uint16_t *)base + i, n, mult, out);
         break;
     default:   /* E4M3 */
         for (int e = 0; e < n; e++) out[e] = e4m3_value[((const uint8_t *)base)[i + e]] * mult;
@@ -237,7 +248,7 @@ static inline void load_stream(int dtype, const void *base, int64_t i, int n, fl
 
 /* Floats into a stream by precision.quantize's rules (s: the piece's scale, q: 1 / s) */
 static inline void store_stream(int dtype, void *base, int64_t i, int n, const float *x,
-                                float s, float q) {
+                                float s, float q, const batch_ops *ops) {
     switch (dtype) {
     case ADAMW_F32:
         memcpy((float *)base + i, x, (size_t)n * sizeof(float));
@@ -246,7 +257,7 @@ static inline void store_stream(int dtype, void *base, int64_t i, int n, const f
         for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_bf16(x[e]);
         break;
     case ADAMW_F16:   /* fp16(x * (1 / scale)), 1 / scale being 0 when the scale is not > 0 */
-        for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_f16(x[e] * q);
+        ops->store_f16((uint16_t *)base + i, n, x, q);
         break;
     default:          /* E4M3 */
         if (s > 0) {  /* e4m3(clamp(x * (1 / scale), -448, 448)); NaN stays NaN */
@@ -274,14 +285,25 @@ static inline void track(float *mm, float x) {
     if (x > mm[1]) mm[1] = x;
 }
 
-/* The arithmetic of a batch: adamw_math over n elements of float arrays */
-typedef void (*batch_math_fn)(float *p, float *m, float *v, const float *g, int n, int decay,
-                              const consts_t *k, int rule);
-
 static void scalar_math(float *p, float *m, float *v, const float *g, int n, int decay,
                         const consts_t *k, int rule) {
     for (int e = 0; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 0);
 }
+
+static void scalar_load_f16(const uint16_t *src, int n, float mult, float *out) {
+    for (int e = 0; e < n; e++) out[e] = f16_to_f32(src[e]) * mult;
+}
+
+static void scalar_store_f16(uint16_t *dst, int n, const float *x, float q) {
+    for (int e = 0; e < n; e++) dst[e] = f32_to_f16(x[e] * q);
+}
+
+static void scalar_minmax(const float *x, int n, float *mm) {
+    for (int e = 0; e < n; e++) track(mm, x[e]);
+}
+
+static const batch_ops generic_ops = {scalar_math, scalar_load_f16, scalar_store_f16,
+                                      scalar_minmax};
 
 /* Up to BATCH elements [i, i + n), any dtypes: the generic variant's work and the SIMD
    variants' leftovers. Each stream is loaded into floats in its own loop, the arithmetic
@@ -294,27 +316,27 @@ static inline __attribute__((always_inline)) void update_batch(const job_t *j,
                                                                 int64_t i, int n, int rule,
                                                                 const piece_scales *ps,
                                                                 float *minmax,
-                                                                batch_math_fn math) {
+                                                                const batch_ops *ops) {
     const adamw_args *a = j->args;
     const consts_t *k = &j->k;
     float g[BATCH], p[BATCH], m[BATCH], v[BATCH];
-    load_stream(a->grad, s->grad, i, n, 1.0f, g);
+    load_stream(a->grad, s->grad, i, n, 1.0f, g, ops);
     if (k->has_clip)
         for (int e = 0; e < n; e++) g[e] = g[e] * k->clip;
     if (a->master == ADAMW_REM16)
         for (int e = 0; e < n; e++)
             p[e] = te_join(((const uint16_t *)s->weights)[i + e], ((const int16_t *)s->master)[i + e]);
     else
-        load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p);
-    load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m);
-    load_stream(a->exp_avg_sq, s->exp_avg_sq, i, n, ps->in[ADAMW_EXP_AVG_SQ], v);
-    math(p, m, v, g, n, s->decay && k->decays, k, rule);
+        load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p, ops);
+    load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m, ops);
+    load_stream(a->exp_avg_sq, s->exp_avg_sq, i, n, ps->in[ADAMW_EXP_AVG_SQ], v, ops);
+    ops->math(p, m, v, g, n, s->decay && k->decays, k, rule);
     if (a->mode == ADAMW_MINMAX) {
         const int dtypes[3] = {a->master, a->exp_avg, a->exp_avg_sq};
         const float *values[3] = {p, m, v};
         for (int st = 0; st < 3; st++)
             if (scaled(dtypes[st]))
-                for (int e = 0; e < n; e++) track(minmax + 2 * st, values[st][e]);
+                ops->minmax(values[st], n, minmax + 2 * st);
         return;
     }
     /* the weights from the fp32 result, before a scaled master is rounded (TE's order) */
@@ -330,22 +352,22 @@ static inline __attribute__((always_inline)) void update_batch(const job_t *j,
             for (int e = 0; e < n; e++) w[i + e] = te_high(f2u(p[e]));
         else if (a->weights == ADAMW_BF16)
             for (int e = 0; e < n; e++) w[i + e] = f32_to_bf16(p[e]);
-        else if (a->weights == ADAMW_F16)
-            for (int e = 0; e < n; e++) w[i + e] = f32_to_f16(p[e]);
+        else if (a->weights == ADAMW_F16)   /* x * 1.0f is x */
+            ops->store_f16(w + i, n, p, 1.0f);
         store_stream(a->master, s->master_out, i, n, p, ps->out[ADAMW_MASTER],
-                     ps->q[ADAMW_MASTER]);
+                     ps->q[ADAMW_MASTER], ops);
     }
     store_stream(a->exp_avg, s->exp_avg_out, i, n, m, ps->out[ADAMW_EXP_AVG],
-                 ps->q[ADAMW_EXP_AVG]);
+                 ps->q[ADAMW_EXP_AVG], ops);
     store_stream(a->exp_avg_sq, s->exp_avg_sq_out, i, n, v, ps->out[ADAMW_EXP_AVG_SQ],
-                 ps->q[ADAMW_EXP_AVG_SQ]);
+                 ps->q[ADAMW_EXP_AVG_SQ], ops);
 }
 
 static void generic_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
                         int rule, const piece_scales *ps, float *minmax) {
     for (int64_t i = lo; i < hi; i += BATCH)
         update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
-                     scalar_math);
+                     &generic_ops);
 }
 
 /* ---------------------------------------------------------------- SIMD
@@ -540,13 +562,65 @@ static void avx2_batch_math(float *p, float *m, float *v, const float *g, int n,
     for (; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 1);
 }
 
-/* The batches of the generic variant with AVX2 arithmetic (AVX2 and AVX-512 machines) */
+/* fp16 by 8 with the F16C instructions: exact in, round to nearest even out, as torch's
+   AVX2 cast (a NaN keeps its sign, as f32_to_f16's) */
+__attribute__((target("avx2,fma,f16c")))
+static void avx2_load_f16(const uint16_t *src, int n, float mult, float *out) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8)
+        _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + e))),
+                                                _mm256_set1_ps(mult)));
+    for (; e < n; e++) out[e] = f16_to_f32(src[e]) * mult;
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void avx2_store_f16(uint16_t *dst, int n, const float *x, float q) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8)
+        _mm_storeu_si128((__m128i *)(dst + e),
+                         _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + e), _mm256_set1_ps(q)),
+                                         _MM_FROUND_TO_NEAREST_INT));
+    for (; e < n; e++) dst[e] = f32_to_f16(x[e] * q);
+}
+
+/* track() by 8: min(x, old) and max(x, old) keep the old value on ties, as track does;
+   a NaN is noted apart (the instructions would drop it) */
+__attribute__((target("avx2,fma")))
+static void avx2_minmax(const float *x, int n, float *mm) {
+    int e = 0;
+    if (n >= 8 && mm[0] == mm[0]) {
+        __m256 lo = _mm256_set1_ps(mm[0]), hi = _mm256_set1_ps(mm[1]), nan = _mm256_setzero_ps();
+        for (; e + 8 <= n; e += 8) {
+            __m256 v = _mm256_loadu_ps(x + e);
+            lo = _mm256_min_ps(v, lo);
+            hi = _mm256_max_ps(v, hi);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float los[8], his[8];
+        _mm256_storeu_ps(los, lo);
+        _mm256_storeu_ps(his, hi);
+        if (_mm256_movemask_ps(nan)) {
+            mm[0] = mm[1] = NAN;
+            return;
+        }
+        for (int l = 0; l < 8; l++) {
+            track(mm, los[l]);
+            track(mm, his[l]);
+        }
+    }
+    for (; e < n; e++) track(mm, x[e]);
+}
+
+static const batch_ops avx2_ops = {avx2_batch_math, avx2_load_f16, avx2_store_f16,
+                                   avx2_minmax};
+
+/* The batches of the generic variant with AVX2 operations (AVX2 and AVX-512 machines) */
 __attribute__((target("avx2,fma")))
 static void fma_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi, int rule,
                     const piece_scales *ps, float *minmax) {
     for (int64_t i = lo; i < hi; i += BATCH)
         update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
-                     avx2_batch_math);
+                     &avx2_ops);
 }
 
 /* ---------------------------------------------------------------- AVX-512: the same, by 16 */
@@ -810,7 +884,8 @@ void adamw_init(void) {
     for (int b = 0; b < 256; b++) e4m3_value[b] = e4m3_decode((uint8_t)b);
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
     have_avx512 = have_avx2 && __builtin_cpu_supports("avx512f");
 #endif
 }
