@@ -218,14 +218,16 @@ static void scales_of(const adamw_args *a, int64_t piece, piece_scales *ps) {
 }
 
 /* What a batch does that a variant may do faster: the arithmetic (adamw_math over n
-   elements of float arrays), the fp16 conversions (x times mult in, x times q out), and a
-   state's running (min, max) */
+   elements of float arrays), the fp16 conversions (x times mult in, x times q out), a
+   state's running (min, max), and the remainders' join and split */
 typedef struct {
     void (*math)(float *p, float *m, float *v, const float *g, int n, int decay,
                  const consts_t *k, int rule);
     void (*load_f16)(const uint16_t *src, int n, float mult, float *out);
     void (*store_f16)(uint16_t *dst, int n, const float *x, float q);
     void (*minmax)(const float *x, int n, float *mm);
+    void (*join)(const uint16_t *high, const int16_t *rem, int n, float *out);
+    void (*split)(const float *x, int n, uint16_t *high, int16_t *rem);
 } batch_ops;
 
 /* A stream's elements [i, i + n) into float (a scaled dtype times its multiplier) */
@@ -302,8 +304,20 @@ static void scalar_minmax(const float *x, int n, float *mm) {
     for (int e = 0; e < n; e++) track(mm, x[e]);
 }
 
+static void scalar_join(const uint16_t *high, const int16_t *rem, int n, float *out) {
+    for (int e = 0; e < n; e++) out[e] = te_join(high[e], rem[e]);
+}
+
+static void scalar_split(const float *x, int n, uint16_t *high, int16_t *rem) {
+    for (int e = 0; e < n; e++) {
+        uint32_t u = f2u(x[e]);
+        high[e] = te_high(u);
+        rem[e] = (int16_t)(u & 0xFFFFu);
+    }
+}
+
 static const batch_ops generic_ops = {scalar_math, scalar_load_f16, scalar_store_f16,
-                                      scalar_minmax};
+                                      scalar_minmax, scalar_join, scalar_split};
 
 /* Up to BATCH elements [i, i + n), any dtypes: the generic variant's work and the SIMD
    variants' leftovers. Each stream is loaded into floats in its own loop, the arithmetic
@@ -324,8 +338,7 @@ static inline __attribute__((always_inline)) void update_batch(const job_t *j,
     if (k->has_clip)
         for (int e = 0; e < n; e++) g[e] = g[e] * k->clip;
     if (a->master == ADAMW_REM16)
-        for (int e = 0; e < n; e++)
-            p[e] = te_join(((const uint16_t *)s->weights)[i + e], ((const int16_t *)s->master)[i + e]);
+        ops->join((const uint16_t *)s->weights + i, (const int16_t *)s->master + i, n, p);
     else
         load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p, ops);
     load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m, ops);
@@ -342,11 +355,7 @@ static inline __attribute__((always_inline)) void update_batch(const job_t *j,
     /* the weights from the fp32 result, before a scaled master is rounded (TE's order) */
     uint16_t *w = (uint16_t *)s->weights_out;
     if (a->master == ADAMW_REM16) {
-        for (int e = 0; e < n; e++) {
-            uint32_t u = f2u(p[e]);
-            w[i + e] = te_high(u);
-            ((int16_t *)s->master_out)[i + e] = (int16_t)(u & 0xFFFFu);
-        }
+        ops->split(p, n, w + i, (int16_t *)s->master_out + i);
     } else {
         if (a->weights == ADAMW_BF16 && a->weights_round == ADAMW_ROUND_TE)
             for (int e = 0; e < n; e++) w[i + e] = te_high(f2u(p[e]));
@@ -611,8 +620,33 @@ static void avx2_minmax(const float *x, int n, float *mm) {
     for (; e < n; e++) track(mm, x[e]);
 }
 
+__attribute__((target("avx2,fma")))
+static void avx2_join(const uint16_t *high, const int16_t *rem, int n, float *out) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(high + e));
+        __m128i r = _mm_loadu_si128((const __m128i *)(rem + e));
+        _mm256_storeu_si256((__m256i *)(out + e),
+                            _mm256_add_epi32(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16),
+                                             _mm256_cvtepi16_epi32(r)));
+    }
+    scalar_join(high + e, rem + e, n - e, out + e);
+}
+
+__attribute__((target("avx2,fma")))
+static void avx2_split(const float *x, int n, uint16_t *high, int16_t *rem) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(x + e));
+        _mm_storeu_si128((__m128i *)(high + e), avx2_te_high(u));
+        _mm_storeu_si128((__m128i *)(rem + e),
+                         avx2_pack16(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))));
+    }
+    scalar_split(x + e, n - e, high + e, rem + e);
+}
+
 static const batch_ops avx2_ops = {avx2_batch_math, avx2_load_f16, avx2_store_f16,
-                                   avx2_minmax};
+                                   avx2_minmax, avx2_join, avx2_split};
 
 /* The batches of the generic variant with AVX2 operations (AVX2 and AVX-512 machines) */
 __attribute__((target("avx2,fma")))
