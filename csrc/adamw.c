@@ -2,13 +2,18 @@
  * adamw.c: the host update of the offloaded AdamW in one pass over memory (API and the
  * rules it follows in adamw.h).
  *
- * Three variants of the same per-element arithmetic, chosen at run time: generic C (one
- * element at a time, every dtype), AVX2 and AVX-512 (8 or 16 elements at a time, for the
- * dtypes that carry the throughput: gradient F32/BF16, master F32/REM16, moments F32/BF16,
- * weights none/BF16; any other combination, and the min/max mode of the scaled states, runs
- * element by element). tests/test_host_kernel.py holds every variant it can run to torch's
- * own kernel, bit for bit. Compiled with -ffp-contract=off: the only fused multiply-adds
- * are the explicit ones that reproduce torch's.
+ * Three variants of the same per-element arithmetic, chosen at run time:
+ *   - AVX-512 and AVX2 loops (16 or 8 elements a step) for the dtypes that carry the
+ *     throughput: gradient F32/BF16, master F32 or REM16, both moments F32 or both BF16,
+ *     weights none or BF16, torch's vector rule;
+ *   - batches of 64 for everything else (torch's tail rule, its plain build, the scaled
+ *     dtypes, fp16 weights, and the min/max pass): each stream converted in its own loop,
+ *     then the arithmetic over the batch (by 8 on AVX2 machines, with the fp16 conversions,
+ *     the remainders and the min/max: batch_ops);
+ *   - generic C, the batches alone, where the CPU has no AVX2, FMA and F16C.
+ * tests/test_host_kernel.py holds every variant it can run to torch's own kernel, bit for
+ * bit. Compiled with -ffp-contract=off: the only fused multiply-adds are the explicit ones
+ * that reproduce torch's.
  *
  * Threads: the elements of all segments, in order, are cut into one span per thread (at
  * multiples of 64 elements, so no two threads write one cache line of an aligned stream);
@@ -383,9 +388,9 @@ static void generic_run(const job_t *j, const adamw_segment *s, int64_t lo, int6
  * The blocks run torch's vector rule on the dtypes that carry the throughput, taken as
  * constants (each dispatch level below turns one runtime value into a literal, and
  * always_inline makes one loop per combination): the gradient F32 or BF16, both moments F32
- * or both BF16, and the master with its weights (mw). Everything else goes element by
- * element: torch's tail rule (at most lanes - 1 elements of a tensor), its plain build, and
- * the scaled dtypes. Weight decay and an absent clip are multiplies by exactly 1 here, which
+ * or both BF16, and the master with its weights (mw). Everything else goes by batches
+ * (fma_run): torch's tail rule (at most lanes - 1 elements of a tensor), its plain build,
+ * the other dtypes. Weight decay and an absent clip are multiplies by exactly 1 here, which
  * change no bit (x * 1.0f is x), so the blocks do not branch on them. */
 #if defined(__x86_64__)
 #define AVX2_FN static inline __attribute__((always_inline, target("avx2,fma")))
