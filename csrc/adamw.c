@@ -2,13 +2,18 @@
  * adamw.c: the host update of the offloaded AdamW in one pass over memory (API and the
  * rules it follows in adamw.h).
  *
- * Three variants of the same per-element arithmetic, chosen at run time: generic C (one
- * element at a time, every dtype), AVX2 and AVX-512 (8 or 16 elements at a time, for the
- * dtypes that carry the throughput: gradient F32/BF16, master F32/REM16, moments F32/BF16,
- * weights none/BF16; any other combination, and the min/max mode of the scaled states, runs
- * element by element). tests/test_host_kernel.py holds every variant it can run to torch's
- * own kernel, bit for bit. Compiled with -ffp-contract=off: the only fused multiply-adds
- * are the explicit ones that reproduce torch's.
+ * Three variants of the same per-element arithmetic, chosen at run time:
+ *   - AVX-512 and AVX2 loops (16 or 8 elements a step) for the dtypes that carry the
+ *     throughput: gradient F32/BF16, master F32 or REM16, both moments F32 or both BF16,
+ *     weights none or BF16, torch's vector rule;
+ *   - batches of 64 for everything else (torch's tail rule, its plain build, the scaled
+ *     dtypes, fp16 weights, and the min/max pass): each stream converted in its own loop,
+ *     then the arithmetic over the batch (by 8 on AVX2 machines, with the fp16 conversions,
+ *     the remainders and the min/max: batch_ops);
+ *   - generic C, the batches alone, where the CPU has no AVX2, FMA and F16C.
+ * tests/test_host_kernel.py holds every variant it can run to torch's own kernel, bit for
+ * bit. Compiled with -ffp-contract=off: the only fused multiply-adds are the explicit ones
+ * that reproduce torch's.
  *
  * Threads: the elements of all segments, in order, are cut into one span per thread (at
  * multiples of 64 elements, so no two threads write one cache line of an aligned stream);
@@ -217,9 +222,22 @@ static void scales_of(const adamw_args *a, int64_t piece, piece_scales *ps) {
     }
 }
 
+/* What a batch does that a variant may do faster: the arithmetic (adamw_math over n
+   elements of float arrays), the fp16 conversions (x times mult in, x times q out), a
+   state's running (min, max), and the remainders' join and split */
+typedef struct {
+    void (*math)(float *p, float *m, float *v, const float *g, int n, int decay,
+                 const consts_t *k, int rule);
+    void (*load_f16)(const uint16_t *src, int n, float mult, float *out);
+    void (*store_f16)(uint16_t *dst, int n, const float *x, float q);
+    void (*minmax)(const float *x, int n, float *mm);
+    void (*join)(const uint16_t *high, const int16_t *rem, int n, float *out);
+    void (*split)(const float *x, int n, uint16_t *high, int16_t *rem);
+} batch_ops;
+
 /* A stream's elements [i, i + n) into float (a scaled dtype times its multiplier) */
 static inline void load_stream(int dtype, const void *base, int64_t i, int n, float mult,
-                               float *out) {
+                               float *out, const batch_ops *ops) {
     switch (dtype) {
     case ADAMW_F32:
         memcpy(out, (const float *)base + i, (size_t)n * sizeof(float));
@@ -228,7 +246,7 @@ static inline void load_stream(int dtype, const void *base, int64_t i, int n, fl
         for (int e = 0; e < n; e++) out[e] = bf16_to_f32(((const uint16_t *)base)[i + e]);
         break;
     case ADAMW_F16:
-        for (int e = 0; e < n; e++) out[e] = f16_to_f32(((const uint16_t *)base)[i + e]) * mult;
+        ops->load_f16((const uint16_t *)base + i, n, mult, out);
         break;
     default:   /* E4M3 */
         for (int e = 0; e < n; e++) out[e] = e4m3_value[((const uint8_t *)base)[i + e]] * mult;
@@ -237,7 +255,7 @@ static inline void load_stream(int dtype, const void *base, int64_t i, int n, fl
 
 /* Floats into a stream by precision.quantize's rules (s: the piece's scale, q: 1 / s) */
 static inline void store_stream(int dtype, void *base, int64_t i, int n, const float *x,
-                                float s, float q) {
+                                float s, float q, const batch_ops *ops) {
     switch (dtype) {
     case ADAMW_F32:
         memcpy((float *)base + i, x, (size_t)n * sizeof(float));
@@ -246,7 +264,7 @@ static inline void store_stream(int dtype, void *base, int64_t i, int n, const f
         for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_bf16(x[e]);
         break;
     case ADAMW_F16:   /* fp16(x * (1 / scale)), 1 / scale being 0 when the scale is not > 0 */
-        for (int e = 0; e < n; e++) ((uint16_t *)base)[i + e] = f32_to_f16(x[e] * q);
+        ops->store_f16((uint16_t *)base + i, n, x, q);
         break;
     default:          /* E4M3 */
         if (s > 0) {  /* e4m3(clamp(x * (1 / scale), -448, 448)); NaN stays NaN */
@@ -274,14 +292,37 @@ static inline void track(float *mm, float x) {
     if (x > mm[1]) mm[1] = x;
 }
 
-/* The arithmetic of a batch: adamw_math over n elements of float arrays */
-typedef void (*batch_math_fn)(float *p, float *m, float *v, const float *g, int n, int decay,
-                              const consts_t *k, int rule);
-
 static void scalar_math(float *p, float *m, float *v, const float *g, int n, int decay,
                         const consts_t *k, int rule) {
     for (int e = 0; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 0);
 }
+
+static void scalar_load_f16(const uint16_t *src, int n, float mult, float *out) {
+    for (int e = 0; e < n; e++) out[e] = f16_to_f32(src[e]) * mult;
+}
+
+static void scalar_store_f16(uint16_t *dst, int n, const float *x, float q) {
+    for (int e = 0; e < n; e++) dst[e] = f32_to_f16(x[e] * q);
+}
+
+static void scalar_minmax(const float *x, int n, float *mm) {
+    for (int e = 0; e < n; e++) track(mm, x[e]);
+}
+
+static void scalar_join(const uint16_t *high, const int16_t *rem, int n, float *out) {
+    for (int e = 0; e < n; e++) out[e] = te_join(high[e], rem[e]);
+}
+
+static void scalar_split(const float *x, int n, uint16_t *high, int16_t *rem) {
+    for (int e = 0; e < n; e++) {
+        uint32_t u = f2u(x[e]);
+        high[e] = te_high(u);
+        rem[e] = (int16_t)(u & 0xFFFFu);
+    }
+}
+
+static const batch_ops generic_ops = {scalar_math, scalar_load_f16, scalar_store_f16,
+                                      scalar_minmax, scalar_join, scalar_split};
 
 /* Up to BATCH elements [i, i + n), any dtypes: the generic variant's work and the SIMD
    variants' leftovers. Each stream is loaded into floats in its own loop, the arithmetic
@@ -294,67 +335,62 @@ static inline __attribute__((always_inline)) void update_batch(const job_t *j,
                                                                 int64_t i, int n, int rule,
                                                                 const piece_scales *ps,
                                                                 float *minmax,
-                                                                batch_math_fn math) {
+                                                                const batch_ops *ops) {
     const adamw_args *a = j->args;
     const consts_t *k = &j->k;
     float g[BATCH], p[BATCH], m[BATCH], v[BATCH];
-    load_stream(a->grad, s->grad, i, n, 1.0f, g);
+    load_stream(a->grad, s->grad, i, n, 1.0f, g, ops);
     if (k->has_clip)
         for (int e = 0; e < n; e++) g[e] = g[e] * k->clip;
     if (a->master == ADAMW_REM16)
-        for (int e = 0; e < n; e++)
-            p[e] = te_join(((const uint16_t *)s->weights)[i + e], ((const int16_t *)s->master)[i + e]);
+        ops->join((const uint16_t *)s->weights + i, (const int16_t *)s->master + i, n, p);
     else
-        load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p);
-    load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m);
-    load_stream(a->exp_avg_sq, s->exp_avg_sq, i, n, ps->in[ADAMW_EXP_AVG_SQ], v);
-    math(p, m, v, g, n, s->decay && k->decays, k, rule);
+        load_stream(a->master, s->master, i, n, ps->in[ADAMW_MASTER], p, ops);
+    load_stream(a->exp_avg, s->exp_avg, i, n, ps->in[ADAMW_EXP_AVG], m, ops);
+    load_stream(a->exp_avg_sq, s->exp_avg_sq, i, n, ps->in[ADAMW_EXP_AVG_SQ], v, ops);
+    ops->math(p, m, v, g, n, s->decay && k->decays, k, rule);
     if (a->mode == ADAMW_MINMAX) {
         const int dtypes[3] = {a->master, a->exp_avg, a->exp_avg_sq};
         const float *values[3] = {p, m, v};
         for (int st = 0; st < 3; st++)
             if (scaled(dtypes[st]))
-                for (int e = 0; e < n; e++) track(minmax + 2 * st, values[st][e]);
+                ops->minmax(values[st], n, minmax + 2 * st);
         return;
     }
     /* the weights from the fp32 result, before a scaled master is rounded (TE's order) */
     uint16_t *w = (uint16_t *)s->weights_out;
     if (a->master == ADAMW_REM16) {
-        for (int e = 0; e < n; e++) {
-            uint32_t u = f2u(p[e]);
-            w[i + e] = te_high(u);
-            ((int16_t *)s->master_out)[i + e] = (int16_t)(u & 0xFFFFu);
-        }
+        ops->split(p, n, w + i, (int16_t *)s->master_out + i);
     } else {
         if (a->weights == ADAMW_BF16 && a->weights_round == ADAMW_ROUND_TE)
             for (int e = 0; e < n; e++) w[i + e] = te_high(f2u(p[e]));
         else if (a->weights == ADAMW_BF16)
             for (int e = 0; e < n; e++) w[i + e] = f32_to_bf16(p[e]);
-        else if (a->weights == ADAMW_F16)
-            for (int e = 0; e < n; e++) w[i + e] = f32_to_f16(p[e]);
+        else if (a->weights == ADAMW_F16)   /* x * 1.0f is x */
+            ops->store_f16(w + i, n, p, 1.0f);
         store_stream(a->master, s->master_out, i, n, p, ps->out[ADAMW_MASTER],
-                     ps->q[ADAMW_MASTER]);
+                     ps->q[ADAMW_MASTER], ops);
     }
     store_stream(a->exp_avg, s->exp_avg_out, i, n, m, ps->out[ADAMW_EXP_AVG],
-                 ps->q[ADAMW_EXP_AVG]);
+                 ps->q[ADAMW_EXP_AVG], ops);
     store_stream(a->exp_avg_sq, s->exp_avg_sq_out, i, n, v, ps->out[ADAMW_EXP_AVG_SQ],
-                 ps->q[ADAMW_EXP_AVG_SQ]);
+                 ps->q[ADAMW_EXP_AVG_SQ], ops);
 }
 
 static void generic_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi,
                         int rule, const piece_scales *ps, float *minmax) {
     for (int64_t i = lo; i < hi; i += BATCH)
         update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
-                     scalar_math);
+                     &generic_ops);
 }
 
 /* ---------------------------------------------------------------- SIMD
  * The blocks run torch's vector rule on the dtypes that carry the throughput, taken as
  * constants (each dispatch level below turns one runtime value into a literal, and
  * always_inline makes one loop per combination): the gradient F32 or BF16, both moments F32
- * or both BF16, and the master with its weights (mw). Everything else goes element by
- * element: torch's tail rule (at most lanes - 1 elements of a tensor), its plain build, and
- * the scaled dtypes. Weight decay and an absent clip are multiplies by exactly 1 here, which
+ * or both BF16, and the master with its weights (mw). Everything else goes by batches
+ * (fma_run): torch's tail rule (at most lanes - 1 elements of a tensor), its plain build,
+ * the other dtypes. Weight decay and an absent clip are multiplies by exactly 1 here, which
  * change no bit (x * 1.0f is x), so the blocks do not branch on them. */
 #if defined(__x86_64__)
 #define AVX2_FN static inline __attribute__((always_inline, target("avx2,fma")))
@@ -540,13 +576,90 @@ static void avx2_batch_math(float *p, float *m, float *v, const float *g, int n,
     for (; e < n; e++) adamw_math(&p[e], &m[e], &v[e], g[e], decay, k, rule, 1);
 }
 
-/* The batches of the generic variant with AVX2 arithmetic (AVX2 and AVX-512 machines) */
+/* fp16 by 8 with the F16C instructions: exact in, round to nearest even out, as torch's
+   AVX2 cast (a NaN keeps its sign, as f32_to_f16's) */
+__attribute__((target("avx2,fma,f16c")))
+static void avx2_load_f16(const uint16_t *src, int n, float mult, float *out) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8)
+        _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + e))),
+                                                _mm256_set1_ps(mult)));
+    for (; e < n; e++) out[e] = f16_to_f32(src[e]) * mult;
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void avx2_store_f16(uint16_t *dst, int n, const float *x, float q) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8)
+        _mm_storeu_si128((__m128i *)(dst + e),
+                         _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + e), _mm256_set1_ps(q)),
+                                         _MM_FROUND_TO_NEAREST_INT));
+    for (; e < n; e++) dst[e] = f32_to_f16(x[e] * q);
+}
+
+/* track() by 8: min(x, old) and max(x, old) keep the old value on ties, as track does;
+   a NaN is noted apart (the instructions would drop it) */
+__attribute__((target("avx2,fma")))
+static void avx2_minmax(const float *x, int n, float *mm) {
+    int e = 0;
+    if (n >= 8 && mm[0] == mm[0]) {
+        __m256 lo = _mm256_set1_ps(mm[0]), hi = _mm256_set1_ps(mm[1]), nan = _mm256_setzero_ps();
+        for (; e + 8 <= n; e += 8) {
+            __m256 v = _mm256_loadu_ps(x + e);
+            lo = _mm256_min_ps(v, lo);
+            hi = _mm256_max_ps(v, hi);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float los[8], his[8];
+        _mm256_storeu_ps(los, lo);
+        _mm256_storeu_ps(his, hi);
+        if (_mm256_movemask_ps(nan)) {
+            mm[0] = mm[1] = NAN;
+            return;
+        }
+        for (int l = 0; l < 8; l++) {
+            track(mm, los[l]);
+            track(mm, his[l]);
+        }
+    }
+    for (; e < n; e++) track(mm, x[e]);
+}
+
+__attribute__((target("avx2,fma")))
+static void avx2_join(const uint16_t *high, const int16_t *rem, int n, float *out) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(high + e));
+        __m128i r = _mm_loadu_si128((const __m128i *)(rem + e));
+        _mm256_storeu_si256((__m256i *)(out + e),
+                            _mm256_add_epi32(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16),
+                                             _mm256_cvtepi16_epi32(r)));
+    }
+    scalar_join(high + e, rem + e, n - e, out + e);
+}
+
+__attribute__((target("avx2,fma")))
+static void avx2_split(const float *x, int n, uint16_t *high, int16_t *rem) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(x + e));
+        _mm_storeu_si128((__m128i *)(high + e), avx2_te_high(u));
+        _mm_storeu_si128((__m128i *)(rem + e),
+                         avx2_pack16(_mm256_and_si256(u, _mm256_set1_epi32(0xFFFF))));
+    }
+    scalar_split(x + e, n - e, high + e, rem + e);
+}
+
+static const batch_ops avx2_ops = {avx2_batch_math, avx2_load_f16, avx2_store_f16,
+                                   avx2_minmax, avx2_join, avx2_split};
+
+/* The batches of the generic variant with AVX2 operations (AVX2 and AVX-512 machines) */
 __attribute__((target("avx2,fma")))
 static void fma_run(const job_t *j, const adamw_segment *s, int64_t lo, int64_t hi, int rule,
                     const piece_scales *ps, float *minmax) {
     for (int64_t i = lo; i < hi; i += BATCH)
         update_batch(j, s, i, hi - i < BATCH ? (int)(hi - i) : BATCH, rule, ps, minmax,
-                     avx2_batch_math);
+                     &avx2_ops);
 }
 
 /* ---------------------------------------------------------------- AVX-512: the same, by 16 */
@@ -810,7 +923,8 @@ void adamw_init(void) {
     for (int b = 0; b < 256; b++) e4m3_value[b] = e4m3_decode((uint8_t)b);
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
     have_avx512 = have_avx2 && __builtin_cpu_supports("avx512f");
 #endif
 }

@@ -13,7 +13,8 @@ fp32 states, bf16 working weights (the fp32 path of a --bf16 run):
   with trivial arithmetic, on the same threads, stores and instruction set.
 
 With ``--modes`` also the precision-aware modes (Megatron-Core's store_param_remainders
-under --bf16, with fp32 or bf16 moments): today's chunked update
+under --bf16, with fp32 or bf16 moments by default, fp16 or fp8 on request): today's chunked
+update
 (``OffloadedAdamW._update_chunked`` on states lent as one host buffer, as
 ``tools/bench_optimizer_rate.py`` runs it) against the native kernel on the same bytes.
 
@@ -49,8 +50,13 @@ BF16 = torch.bfloat16
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 CLIP = 0.9   # a coefficient below 1: Megatron clips (a coefficient of 1 skips the pass)
 # bytes per parameter one update moves: reads + writes of the stored state, the gradient read
-BYTES = {"fp32": 16 + 14, "remainders": 16 + 12, "remainders + bf16 moments": 12 + 8}
-PRECISION_MODES = ("remainders", "remainders + bf16 moments")
+BYTES = {"fp32": 16 + 14, "remainders": 16 + 12, "remainders + bf16 moments": 12 + 8,
+         "remainders + fp16 moments": 12 + 8, "remainders + fp8 moments": 10 + 6}
+# the moments' dtype of each precision-aware mode (the master: remainders)
+PRECISION_MODES = {"remainders": torch.float32, "remainders + bf16 moments": BF16,
+                   "remainders + fp16 moments": torch.float16,
+                   "remainders + fp8 moments": torch.uint8}
+DEFAULT_MODES = ("remainders", "remainders + bf16 moments")
 
 
 def fp32_states(n: int, seed: int) -> dict:
@@ -90,7 +96,7 @@ class PrecisionMode:
         from megatron_snake.optim.precision import REMAINDER, Precision, split_flat
         from megatron_snake.optim.unit_params import FlatLayout, Segment, UnitParams
 
-        moments = BF16 if "bf16 moments" in mode else torch.float32
+        moments = PRECISION_MODES[mode]
         self.precision = Precision(params=BF16, master=REMAINDER, exp_avg=moments,
                                    exp_avg_sq=moments)
         param = torch.nn.Parameter(torch.empty(0))
@@ -108,13 +114,20 @@ class PrecisionMode:
         for name in ("master", "exp_avg", "exp_avg_sq"):
             for part in ("bwd", "fwd"):
                 store.delete((name, 0, part))   # only the lent copies below are used
-        self.states = {}
+        self.states, self.scales = {}, {}
         for who in ("torch", "native"):
             s = fp32_states(n, seed=2)
             hi, rem = split_flat(s["master"])
-            self.states[who] = {"grad": [s["grad"]], "master": [rem], "w": hi,
-                                "exp_avg": [s["exp_avg"].to(moments)],
-                                "exp_avg_sq": [s["exp_avg_sq"].to(moments)]}
+            # in the mode's dtype, with a scaled dtype's scales recorded (the optimizer's
+            # own _encode: one piece, the whole parameter)
+            lent = {name: [self.opt._encode(name, 0, "bwd", s[name])]
+                    for name in ("exp_avg", "exp_avg_sq")}
+            self.states[who] = {"grad": [s["grad"]], "master": [rem], "w": hi, **lent}
+            self.scales[who] = {name: self.opt._scales[(name, 0, "bwd")]
+                                for name in ("exp_avg", "exp_avg_sq")
+                                if (name, 0, "bwd") in self.opt._scales}
+        self.opt._scales.update({(name, 0, "bwd"): scale
+                                 for name, scale in self.scales["torch"].items()})
 
     def today(self, step: int, coef: torch.Tensor) -> None:
         from megatron_snake.optim.offloaded_adamw import StepHyper
@@ -126,7 +139,18 @@ class PrecisionMode:
         s = self.states["native"]
         seg = host_kernel.Segment(s["grad"][0], s["master"][0], s["exp_avg"][0],
                                   s["exp_avg_sq"][0], weights=s["w"])
-        host_kernel.adamw_update([seg], step=step, clip=CLIP, threads=threads, **HYPER)
+        new = host_kernel.adamw_update([seg], step=step, clip=CLIP, threads=threads,
+                                       scales=self.scales["native"], **HYPER)
+        self.scales["native"].update(new)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def commit() -> str:
@@ -146,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="threads of every variant (torch's intra-op threads for torch's)")
     ap.add_argument("--rounds", type=int, default=9, help="rounds of every variant")
-    ap.add_argument("--modes", nargs="*", default=list(PRECISION_MODES),
+    ap.add_argument("--modes", nargs="*", default=list(DEFAULT_MODES),
                     choices=list(PRECISION_MODES),
                     help="precision-aware modes to measure too (none: --modes)")
     ap.add_argument("--json-out", default="bench_host_update.json")
@@ -201,7 +225,7 @@ def main(argv=None) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit(), "command": " ".join([os.path.basename(sys.argv[0])] +
                                                       sys.argv[1:]),
-              "machine": platform.node(), "processor": platform.processor(),
+              "machine": platform.node(), "processor": cpu_model(),
               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__,
               "torch_capability": torch.backends.cpu.get_cpu_capability(),
               "implementation": implementation, "threads": a.threads, "params": n,
