@@ -37,9 +37,20 @@ def disk_free_bytes(path):
     return shutil.disk_usage(path).free
 
 
-def named_twice(paths, same=os.path.realpath) -> list:
+def same_directory(path):
+    """What identifies the directory ``path`` names: its device and inode when it exists
+    (the same directory reached through a bind mount has another real path, but these),
+    else its real path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return st.st_dev, st.st_ino
+
+
+def named_twice(paths, same=same_directory) -> list:
     """The entries of ``paths`` that name a directory another entry names too (compared by
-    ``same``: the real path by default), in their order: --snake-offload-dir's lists."""
+    ``same``: ``same_directory`` by default), in their order: --snake-offload-dir's lists."""
     keys = [same(p) for p in paths]
     return [p for p, k in zip(paths, keys) if keys.count(k) > 1]
 
@@ -73,6 +84,15 @@ def probe_writable(path):
 
 def _gib(n):
     return f"{n / 2**30:.2f} GiB"
+
+
+def _ours(owner: str) -> bool:
+    """Whether a lock file's text (``RankDir._lock``'s JSON) names this process."""
+    try:
+        info = json.loads(owner)
+        return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+    except (ValueError, AttributeError):
+        return False
 
 
 def _not_ours(st):
@@ -177,6 +197,12 @@ class RankDir:
             except OSError as exc:
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
                 os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and _ours(owner):
+                    # our own lock, taken through another path to this directory
+                    raise OffloadDirError(
+                        f"{self.path} is locked by this run itself: the directory is named "
+                        "twice in --snake-offload-dir (by another path to it: a link or a "
+                        "bind mount?); give each directory once") from None
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise OffloadDirError(
                         f"{self.path} is in use by another job ({owner or 'owner unknown'}); two "
