@@ -33,7 +33,8 @@ class DriveDir:
                 if f is None:
                     path = os.path.join(self.path, f"{kind}.swap")
                     f = SwapFile(path, kind, self.run_id, self.engine, checksum,
-                                 block_size=max(4096, os.statvfs(self.path).f_bsize))
+                                 block_size=max(4096, os.fstatvfs(self.dir.fd).f_bsize),
+                                 directory=self.dir)
                     if not f.direct and not self._direct_logged:
                         self._direct_logged = True
                         log.warning("offload dir %s: the file system does not support O_DIRECT "
