@@ -55,6 +55,40 @@ def named_twice(paths, same=same_directory) -> list:
     return [p for p, k in zip(paths, keys) if keys.count(k) > 1]
 
 
+def stale_bytes(offload_dir, rank) -> int:
+    """Drive space a run on ``offload_dir`` gets back as it opens ``rank<rank>/``: the
+    blocks of the swap files a run that is gone left there (``RankDir`` removes them), or 0
+    while a live job holds that directory's lock (its files are its own). For the space
+    checks made before the store opens (the pre-flight)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dir_fd = os.open(os.path.join(offload_dir, f"rank{rank}"), flags | os.O_DIRECTORY)
+    except OSError:
+        return 0
+    lock_fd = -1
+    try:
+        try:
+            lock_fd = os.open(LOCK_NAME, flags | os.O_NONBLOCK, dir_fd=dir_fd)
+            if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+                return 0
+            fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # fails while one is held
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return 0
+        total = 0
+        for name in os.listdir(dir_fd):
+            if name.endswith(SWAP_SUFFIX):
+                st = os.lstat(name, dir_fd=dir_fd)
+                if _not_ours(st) is None:     # what RankDir removes and frees
+                    total += st.st_blocks * 512
+        return total
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        os.close(dir_fd)
+
+
 def file_system_groups(paths) -> list[list[int]]:
     """The indexes of ``paths`` grouped by the file system each is on, in the order of their
     first member (a path that does not exist yet is a group of its own): directories on one
