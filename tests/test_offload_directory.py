@@ -286,6 +286,24 @@ def test_a_directory_mounted_over_the_offload_dir_changes_nothing(tmp_path):
     assert os.listdir(root) == []              # ours: rank0 removed under the mount
 
 
+def test_rank_dir_removed_during_the_run(tmp_path):
+    """``rm -rf rank0`` while the store runs: the records it wrote still read back (the
+    run holds its files open), the end says nothing of files it could not remove (they
+    are gone), and a swap file it would make there now is one error naming the directory
+    (a raw FileNotFoundError before)."""
+    import shutil
+
+    with small_store(tmp_path) as s:
+        s.put("a", torch.arange(1000.0), tier="nvme").wait()
+        shutil.rmtree(tmp_path / "rank0")
+        assert torch.equal(s.get("a").wait(), torch.arange(1000.0))
+        s.put("b", torch.ones(10), tier="nvme").wait()            # its swap file: still open
+        with pytest.raises(OffloadDirError, match=f"{tmp_path / 'rank0'} was removed during "
+                           "the run, so its grad swap file cannot be made"):
+            s.put("c", torch.ones(10), tier="nvme", kind="grad").wait()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_file_moved_away_during_the_run_is_named_at_the_end(tmp_path):
     """A swap file renamed away: its name is gone but the file is not; the end names it
     (the missing name was taken for a removed file, silently)."""

@@ -115,10 +115,18 @@ def test_a_missing_directory_is_named_and_the_others_are_released(dirs, tmp_path
     assert not any((d / "rank0").exists() for d in dirs)      # locks released, dirs removed
 
 
-def test_a_directory_given_twice_is_refused(dirs):
-    twice = [dirs[0], dirs[1], str(dirs[0]) + "/."]
+@pytest.mark.parametrize("other", ["dot", "trailing slash", "dot-dot", "relative", "link"])
+def test_a_directory_given_twice_is_refused(dirs, other, monkeypatch):
+    """The same directory as ``/.``, with a trailing ``/``, through ``..``, as a relative
+    path or through a symbolic link."""
+    monkeypatch.chdir(dirs[0].parent)
+    if other == "link":
+        os.symlink(dirs[0], dirs[0].parent / "link")
+    again = {"dot": f"{dirs[0]}/.", "trailing slash": f"{dirs[0]}/",
+             "dot-dot": f"{dirs[1]}/../{dirs[0].name}", "relative": dirs[0].name,
+             "link": str(dirs[0].parent / "link")}[other]
     with pytest.raises(OffloadDirError, match="names one directory more than once"):
-        TensorStore(twice, host_memory_limit=8 * BUF, buffer_bytes=BUF)
+        TensorStore([dirs[0], dirs[1], again], host_memory_limit=8 * BUF, buffer_bytes=BUF)
     assert not any((d / "rank0").exists() for d in dirs)
 
 
