@@ -206,6 +206,115 @@ def test_capacity_real_small_tmpfs(tmp_path):
             assert torch.equal(s.get("small").wait(), torch.arange(1000.0))
 
 
+@pytest.mark.parametrize("inodes, doing", [
+    (1, "making {mnt}/rank0"), (2, "creating a file in {mnt}/rank0"),
+    (3, r"creating {mnt}/rank0/misc\.swap"), (4, r"creating {mnt}/rank0/grad\.swap")])
+def test_a_drive_out_of_inodes_at_start_is_one_error_naming_it(tmp_path, inodes, doing):
+    """Every entry the store makes at start on a tmpfs without inodes to spare: the rank
+    directory, the write probe, a swap file (the first: the root, rank0 and LOCK take the
+    three inodes; the second with four). One CapacityError names the directory and what
+    ran out, and nothing of the run is left (raw ENOSPC tracebacks before)."""
+    mnt = tmp_path / "tmpfs"
+    with mounted("-t", "tmpfs", "-o", f"size=4m,nr_inodes={inodes}", "tmpfs",
+                 target=str(mnt)) as ok:
+        if not ok:
+            pytest.skip("mount not permitted here")
+        with pytest.raises(CapacityError, match=rf"^--snake-offload-dir {mnt} \(rank 0\): the "
+                           rf"drive is full \(out of inodes\) {doing.format(mnt=mnt)}; free "
+                           "space on it, or point --snake-offload-dir at another drive$"):
+            with small_store(mnt) as s:
+                s.put("a", torch.ones(10), tier="nvme").wait()
+                s.put("b", torch.ones(10), tier="nvme", kind="grad").wait()
+        assert os.listdir(mnt) == []
+
+
+def test_a_drive_full_before_the_lock_is_written_leaves_no_lock(tmp_path):
+    """Blocks gone, inodes left: the lock file is made but cannot be written; one error
+    names it, and neither the empty LOCK nor rank0 stays behind."""
+    mnt = tmp_path / "tmpfs"
+    with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", target=str(mnt)) as ok:
+        if not ok:
+            pytest.skip("mount not permitted here")
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError):
+            while True:
+                os.write(fd, b"x" * 4096)
+        os.close(fd)
+        with pytest.raises(CapacityError, match=rf"^--snake-offload-dir {mnt} \(rank 0\): the "
+                           rf"drive is full \(no space left\) writing {mnt}/rank0/LOCK; "):
+            small_store(mnt)
+        assert os.listdir(mnt) == ["filler"]
+
+
+def test_a_full_drive_at_the_start_of_a_run_is_one_line(megatron_world, tmp_path):
+    """pretrain on a drive with room for the bytes but not the files: a CapacityError (one
+    line, no traceback at the entry point) naming the directory, before the first step."""
+    from conftest import tiny_args
+    from megatron_snake.errors import UserError
+    from megatron_snake.training.loop import pretrain
+
+    mnt = tmp_path / "tmpfs"
+    with mounted("-t", "tmpfs", "-o", "size=300m,nr_inodes=4", "tmpfs", target=str(mnt)) as ok:
+        if not ok:
+            pytest.skip("mount not permitted here")
+        with pytest.raises(CapacityError) as caught:
+            pretrain(tiny_args("--snake-offload", "--snake-offload-dir", str(mnt),
+                               "--train-iters", "1"))
+        assert isinstance(caught.value, UserError)
+        assert f"--snake-offload-dir {mnt} (rank 0): the drive is full (out of inodes)" \
+            in str(caught.value)
+        assert os.listdir(mnt) == []
+
+
+def test_a_directory_mounted_over_the_offload_dir_changes_nothing(tmp_path):
+    """A read-only directory mounted over --snake-offload-dir while the store runs: the run
+    goes on in its own directory (a new swap file included) and removes its files at the
+    end (a new file raised FileNotFoundError, and the files were left hidden under the
+    mount without a word)."""
+    root, empty = tmp_path / "off", tmp_path / "empty"
+    root.mkdir()
+    empty.mkdir()
+    with small_store(root) as s:
+        s.put("a", torch.arange(1000.0), tier="nvme").wait()
+        with mounted("--bind", "-o", "ro", str(empty), target=str(root)) as ok:
+            if not ok:
+                pytest.skip("mount not permitted here")
+            s.put("b", torch.ones(10), tier="nvme", kind="grad").wait()
+            assert torch.equal(s.get("a").wait(), torch.arange(1000.0))
+            s.close()
+            assert os.listdir(root) == []     # the mount's
+    assert os.listdir(root) == []              # ours: rank0 removed under the mount
+
+
+def test_rank_dir_removed_during_the_run(tmp_path):
+    """``rm -rf rank0`` while the store runs: the records it wrote still read back (the
+    run holds its files open), the end says nothing of files it could not remove (they
+    are gone), and a swap file it would make there now is one error naming the directory
+    (a raw FileNotFoundError before)."""
+    import shutil
+
+    with small_store(tmp_path) as s:
+        s.put("a", torch.arange(1000.0), tier="nvme").wait()
+        shutil.rmtree(tmp_path / "rank0")
+        assert torch.equal(s.get("a").wait(), torch.arange(1000.0))
+        s.put("b", torch.ones(10), tier="nvme").wait()            # its swap file: still open
+        with pytest.raises(OffloadDirError, match=f"{tmp_path / 'rank0'} was removed during "
+                           "the run, so its grad swap file cannot be made"):
+            s.put("c", torch.ones(10), tier="nvme", kind="grad").wait()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_moved_away_during_the_run_is_named_at_the_end(tmp_path):
+    """A swap file renamed away: its name is gone but the file is not; the end names it
+    (the missing name was taken for a removed file, silently)."""
+    with pytest.raises(OffloadDirError, match=r"could not be removed at its end \(moved away "
+                       r"from its name during the run.*\): misc\.swap"):
+        with small_store(tmp_path) as s:
+            s.put("a", torch.ones(10), tier="nvme").wait()
+            os.rename(tmp_path / "rank0" / "misc.swap", tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere").exists()
+
+
 # ------------------------------------------------------------------ other jobs
 
 HOLDER = textwrap.dedent("""
@@ -279,10 +388,10 @@ def test_no_o_direct_falls_back_to_buffered_with_a_log_line(tmp_path, monkeypatc
 
     real_open = os.open
 
-    def no_direct(path, flags, mode=0o777):
+    def no_direct(path, flags, mode=0o777, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(22, "Invalid argument")
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, **kwargs)
 
     monkeypatch.setattr(swap_file.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="megatron_snake.storage"):

@@ -440,3 +440,51 @@ def test_dry_run_prints_the_estimate_and_builds_nothing(megatron_world, tmp_path
 
 def test_dry_run_needs_snake_offload(capsys):
     expect_flag_error(capsys, ["--snake-dry-run"], "--snake-dry-run")
+
+
+def _killed_runs_files(root, rank_dir_bytes: int):
+    """rank0/ as a SIGKILLed run leaves it: its LOCK (nobody holds it) and a swap file of
+    ``rank_dir_bytes`` allocated."""
+    rank0 = root / "rank0"
+    rank0.mkdir(mode=0o700)
+    (rank0 / "LOCK").write_text('{"pid": 999999, "host": "gone"}')
+    fd = os.open(rank0 / "weights.swap", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, rank_dir_bytes)
+    os.close(fd)
+    return rank0
+
+
+def test_a_killed_runs_files_count_as_free_space(megatron_world, tmp_path, capsys):
+    """A 300 MiB drive whose rank0/ holds 100 MiB of a killed run's swap files: the run
+    removes them as it opens the store, so the pre-flight counts them as free and says so
+    (it asked to "free 200 MiB more" of space the run would free itself); while a live
+    job holds rank0/'s lock they are not counted."""
+    import fcntl
+    import subprocess
+
+    from conftest import tiny_args
+    from megatron_snake.training.loop import pretrain
+    from megatron_snake.training.preflight import DoesNotFitError
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("mount not permitted here")
+    try:
+        rank0 = _killed_runs_files(mnt, 100 << 20)
+        flags = ("--snake-offload", "--snake-offload-dir", str(mnt), "--train-iters", "1")
+        lock = os.open(rank0 / "LOCK", os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)          # a live job's files: not counted
+        with pytest.raises(DoesNotFitError, match=r"200\.\d MiB is free: free"):
+            pretrain(tiny_args(*flags, "--snake-dry-run"))
+        os.close(lock)
+        capsys.readouterr()
+        pretrain(tiny_args(*flags, "--snake-dry-run"))
+        out = capsys.readouterr().out
+        assert (f"300.0 MiB (with the 100.0 MiB of swap files a killed run left in {rank0}, "
+                "which this run removes first) free") in out, out
+        assert pretrain(tiny_args(*flags))                  # it trains, having removed them
+        assert not rank0.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

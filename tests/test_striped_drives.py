@@ -115,11 +115,51 @@ def test_a_missing_directory_is_named_and_the_others_are_released(dirs, tmp_path
     assert not any((d / "rank0").exists() for d in dirs)      # locks released, dirs removed
 
 
-def test_a_directory_given_twice_is_refused(dirs):
-    twice = [dirs[0], dirs[1], str(dirs[0]) + "/."]
+@pytest.mark.parametrize("other", ["dot", "trailing slash", "dot-dot", "relative", "link"])
+def test_a_directory_given_twice_is_refused(dirs, other, monkeypatch):
+    """The same directory as ``/.``, with a trailing ``/``, through ``..``, as a relative
+    path or through a symbolic link."""
+    monkeypatch.chdir(dirs[0].parent)
+    if other == "link":
+        os.symlink(dirs[0], dirs[0].parent / "link")
+    again = {"dot": f"{dirs[0]}/.", "trailing slash": f"{dirs[0]}/",
+             "dot-dot": f"{dirs[1]}/../{dirs[0].name}", "relative": dirs[0].name,
+             "link": str(dirs[0].parent / "link")}[other]
     with pytest.raises(OffloadDirError, match="names one directory more than once"):
-        TensorStore(twice, host_memory_limit=8 * BUF, buffer_bytes=BUF)
+        TensorStore([dirs[0], dirs[1], again], host_memory_limit=8 * BUF, buffer_bytes=BUF)
     assert not any((d / "rank0").exists() for d in dirs)
+
+
+def test_the_same_directory_through_a_bind_mount_is_named_twice(dirs, tmp_path):
+    """A bind mount of a directory has another real path but the same device and inode:
+    refused as named twice, before any lock (it was "in use by another job", naming this
+    run's own pid); and were a lock taken twice, it says so too."""
+    import subprocess
+
+    from megatron_snake.storage.directory import RankDir
+    from megatron_snake.training.offloaded_state import offload_dirs_for_rank
+
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    if subprocess.run(["mount", "--bind", str(dirs[0]), str(bound)],
+                      capture_output=True).returncode:
+        pytest.skip("mount --bind not permitted here")
+    try:
+        with pytest.raises(OffloadDirError, match=f"more than once .*{bound}: named twice"):
+            TensorStore([dirs[0], bound], host_memory_limit=8 * BUF, buffer_bytes=BUF)
+        assert not (dirs[0] / "rank0").exists()
+        with pytest.raises(ValueError, match="named twice"):
+            offload_dirs_for_rank(f"{dirs[0]},{bound}", 0)
+        first = RankDir(dirs[0], 0, b"r" * 16)
+        try:
+            with pytest.raises(OffloadDirError, match="locked by this run itself.*named "
+                               "twice") as caught:
+                RankDir(bound, 0, b"r" * 16)
+            assert "another job" not in str(caught.value)
+        finally:
+            first.close()
+    finally:
+        subprocess.run(["umount", "-l", str(bound)], capture_output=True)
 
 
 @pytest.fixture
@@ -239,7 +279,7 @@ def test_a_directory_repeated_once_filled_in_is_refused_naming_the_flag(monkeypa
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(FlagError, match=r"^--snake-offload-dir '/n/\{local_rank\},/n/0': rank 0 "
-                       r"gets one directory more than once \(/n/0, /n/0\)"):
+                       r"gets one directory more than once \(/n/0, /n/0: named twice"):
         offload_dirs_for_rank("/n/{local_rank},/n/0", 0)
 
 

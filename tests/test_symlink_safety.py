@@ -410,3 +410,35 @@ def test_data_cache_entry_is_private_and_never_a_planted_link(tmp_path):
     build_gpt_datasets(**kwargs)
     assert entry.is_dir() and not entry.is_symlink()
     assert stat.S_IMODE(entry.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planner", ["activation", "saved-tensor"])
+def test_a_directory_made_at_the_plan_path_during_the_run_is_one_warning(
+        megatron_world, offload_dir, monkeypatch, caplog, planner):
+    """A directory made at the default plan path after the start's check, while the run
+    profiles: the plan cannot be written, which is one warning naming the path, and the
+    run trains on with the plan in memory (IsADirectoryError ended it, losing the work
+    since the last save)."""
+    from megatron_snake.offload.adaptive import AdaptiveOffloader
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    cls = ActivationPlanner if planner == "activation" else AdaptiveOffloader
+    made = cls.__init__
+
+    def made_then_planted(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        os.mkdir(self.plan_path)
+
+    monkeypatch.setattr(cls, "__init__", made_then_planted)
+    mode = ["--snake-offload"] if planner == "activation" else ["--snake-activation-offload"]
+    with caplog.at_level(logging.WARNING, logger="megatron_snake.offload"):
+        losses = pretrain(parse_args([*mode, "--train-iters", "3", "--snake-profile-iters",
+                                      "1", "--snake-offload-dir", str(offload_dir)]))
+    assert len(losses) == 3
+    warned = [r.getMessage() for r in caplog.records if "was not written" in r.getMessage()]
+    name = "activation_plan_rank0.json" if planner == "activation" else \
+        "saved_tensor_plan_rank0.json"
+    assert len(warned) == 1 and f"was not written to {offload_dir / name}" in warned[0] \
+        and "training goes on with the plan in memory" in warned[0], warned
+    assert (offload_dir / name).is_dir()

@@ -8,6 +8,7 @@ another iteration is refused; the save writes no file through a link planted in 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import random
@@ -330,3 +331,87 @@ def test_an_iteration_directory_that_is_no_checkpoint_is_named_as_such(saved, tm
             says = "is a symbolic link"
     message = _refused(root, CheckpointChoiceError, folder, says)
     assert "model_optim_rng.pt is missing" not in message
+
+
+# --- what each entry holds against .metadata and this run -------------------------------
+
+REMAINDERS = [*FLAGS, "--bf16", "--use-precision-aware-optimizer"]
+FC1 = "decoder.layers.mlp.linear_fc1.weight"
+
+
+@pytest.fixture(scope="module")
+def remainders_saved(megatron_world, tmp_path_factory):
+    """Iteration 2 of an offloaded bf16 run with master-weight remainders: ``fp32_param``
+    holds int16."""
+    root = tmp_path_factory.mktemp("remainders") / "ckpt"
+    pretrain(parse_args([*REMAINDERS, "--exit-interval", "2", "--save", str(root)]))
+    return root
+
+
+def _rewrite_chunk(folder, fqn: str, change) -> str:
+    """The first chunk of ``fqn`` replaced by ``change(tensor)``, torch.saved at the end of
+    its data file, its storage entry pointed there (as a tool rewriting the chunk would);
+    returns the data file's name."""
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn)
+    path = folder / info.relative_path
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        chunk = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    buffer = io.BytesIO()
+    torch.save(change(chunk), buffer)
+    with open(path, "ab") as f:
+        info.offset = f.tell()
+        f.write(buffer.getvalue())
+    info.length = len(buffer.getvalue())
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return info.relative_path
+
+
+@pytest.mark.parametrize("what", ["float16 remainders", "a moment in bfloat16",
+                                  "a weight of another shape"])
+def test_an_entry_other_than_metadata_says_is_refused(remainders_saved, tmp_path, what):
+    """An int16 remainder chunk rewritten as float16 of the same length (a moment as bf16, a
+    weight's chunk twice as wide) while ``.metadata`` still records int16 (fp32, the
+    shape): refused naming the file, the entry and both, before the state is used (it was
+    cast, or narrowed, and loaded without a word)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(remainders_saved, root)
+    fqn, change, says = {
+        "float16 remainders": (f"optimizer.state.fp32_param.{FC1}",
+                               lambda t: t.view(torch.float16), "torch.float16"),
+        "a moment in bfloat16": (f"optimizer.state.exp_avg.{FC1}",
+                                 lambda t: t.to(torch.bfloat16), "torch.bfloat16"),
+        # twice as wide, its first half zeros: the reader narrowed it to the zeros
+        "a weight of another shape": (FC1, lambda t: torch.cat([torch.zeros_like(t), t], -1),
+                                      "shape")}[what]
+    data = _rewrite_chunk(root / ITER, fqn, change)
+    with pytest.raises(CheckpointCorruptError) as caught:
+        pretrain(parse_args([*REMAINDERS, "--load", str(root)]))
+    message = str(caught.value)
+    assert "\n" not in message, message
+    for named in (root / ITER / data, repr(fqn), says, ".metadata"):
+        assert str(named) in message, message
+
+
+def test_an_entry_recorded_in_another_dtype_than_this_run_reads_is_refused(remainders_saved,
+                                                                          tmp_path):
+    """``.metadata`` and its chunk agree, on bf16 for a moment this run reads in fp32 (as a
+    checkpoint is written: unscaled): refused naming the entry, both dtypes and the file,
+    before a byte of it is read (it was cast on load)."""
+    from megatron_snake.training.checkpointing import CheckpointMismatchError
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(remainders_saved, root)
+    fqn = f"optimizer.state.exp_avg.{FC1}"
+    _rewrite_chunk(root / ITER, fqn, lambda t: t.to(torch.bfloat16))
+    _edit_metadata(root / ITER, lambda m: setattr(m.state_dict_metadata[fqn].properties,
+                                                  "dtype", torch.bfloat16))
+    with pytest.raises(CheckpointMismatchError) as caught:
+        pretrain(parse_args([*REMAINDERS, "--load", str(root)]))
+    message = str(caught.value)
+    for named in (root / ITER / ".metadata", repr(fqn), "as torch.bfloat16",
+                  "reads torch.float32"):
+        assert str(named) in message, message

@@ -18,6 +18,7 @@ number of micro-batches change.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -29,6 +30,8 @@ from megatron_snake.offload.unit_inputs import OffloadedUnitInputs
 from megatron_snake.placement.lifetimes import LifetimeRecorder, validate
 from megatron_snake.placement.plan import make_plan, minimum_gpu_bytes
 from megatron_snake.storage.safe_files import write_file_atomically
+
+log = logging.getLogger("megatron_snake.offload")
 
 # Without --snake-gpu-memory-limit, a GPU's memory the plan leaves free: the allocator's
 # fragmentation and what a step allocates besides the profiled peak.
@@ -190,12 +193,10 @@ class ActivationPlanner:
         pool.reserved += on_host - self._reserved
         self._reserved = on_host
         self.plans_made += 1
-        if self.plan_path:
-            # a new 0600 file renamed into place: a link at plan_path is replaced, never
-            # written through
-            write_file_atomically(self.plan_path, self.plan.to_json().encode(),
-                                  what="activation plan (--snake-plan-json)")
-        self.log(plan_summary_line(self.plan, self._profiled, self.plan_path))
+        written = write_plan(self.plan_path, self.plan.to_json(),
+                             "activation plan (--snake-plan-json)")
+        self.log(plan_summary_line(self.plan, self._profiled, self.plan_path if written
+                                   else None))
 
 
 # the plan's tiers as a run names them: its "gpu" is the compute device, whichever it is
@@ -230,6 +231,23 @@ def _device_budget(device) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     return max(0, int(total * (1 - DEVICE_MARGIN_FRACTION))
                - torch.cuda.max_memory_reserved(device))
+
+
+def write_plan(path: str | None, text: str, what: str) -> bool:
+    """Write a plan's JSON to ``path`` (none: False) as a new 0600 file renamed into place
+    (a link there is replaced, never written through). A plan file is a record for the
+    user, not something the run reads: one that cannot be written (a directory made at
+    its path during the run, a full or read-only drive) is one warning naming it, and the
+    run goes on with the plan in memory."""
+    if not path:
+        return False
+    try:
+        write_file_atomically(path, text.encode(), what=what)
+        return True
+    except OSError as exc:
+        log.warning("> warning: the %s was not written to %s (%s); training goes on with "
+                    "the plan in memory", what, path, exc.strerror or exc)
+        return False
 
 
 class PlanPathError(UserError, ValueError):

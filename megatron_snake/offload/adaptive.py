@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_snake.offload.activation_plan import measure_tier_bandwidth
+from megatron_snake.offload.activation_plan import measure_tier_bandwidth, write_plan
 from megatron_snake.offload.keep_plan import ALLOWANCE, Save, SaveProfile, plan_offload
 from megatron_snake.offload.saved_tensors import SavedTensorOffloader, _Saved
-from megatron_snake.storage.safe_files import write_file_atomically
 
 
 @dataclass(eq=False)
@@ -240,10 +239,8 @@ class AdaptiveOffloader(SavedTensorOffloader):
         self._read_rank = {s.key: i for i, s in enumerate(
             sorted(profile.saves, key=lambda s: s.unpack_s))}
         self.plans_made += 1
-        if self.plan_path:
-            write_file_atomically(self.plan_path, self.plan.to_json().encode(),
-                                  what="saved-tensor offload plan")
-        where = f"; plan in {self.plan_path}" if self.plan_path else ""
+        written = write_plan(self.plan_path, self.plan.to_json(), "saved-tensor offload plan")
+        where = f"; plan in {self.plan_path}" if written else ""
         self.log(f"> saved-tensor offload plan after {self._profiled} profiled iterations "
                  f"(tier {self.tier} read {read_Bps / 1e6:.1f} MB/s, write "
                  f"{write_Bps / 1e6:.1f} MB/s): {self.plan.summary()}{where}")

@@ -11,7 +11,6 @@ opened."""
 
 import errno
 import fcntl
-import glob
 import json
 import logging
 import os
@@ -20,8 +19,9 @@ import socket
 import stat
 import time
 
-from megatron_snake.storage.errors import CapacityError, OffloadDirError, UnsafePathError
-from megatron_snake.storage.safe_files import create_file, open_owned_file, private_dir
+from megatron_snake.storage.errors import (NO_SPACE, CapacityError, OffloadDirError,
+                                            UnsafePathError, drive_full)
+from megatron_snake.storage.safe_files import create_file, open_owned_file, open_private_dir
 import megatron_snake.storage.sizes as sizes
 from megatron_snake.storage.swap_file import read_file_header
 
@@ -37,11 +37,56 @@ def disk_free_bytes(path):
     return shutil.disk_usage(path).free
 
 
-def named_twice(paths, same=os.path.realpath) -> list:
+def same_directory(path):
+    """What identifies the directory ``path`` names: its device and inode when it exists
+    (the same directory reached through a bind mount has another real path, but these),
+    else its real path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return st.st_dev, st.st_ino
+
+
+def named_twice(paths, same=same_directory) -> list:
     """The entries of ``paths`` that name a directory another entry names too (compared by
-    ``same``: the real path by default), in their order: --snake-offload-dir's lists."""
+    ``same``: ``same_directory`` by default), in their order: --snake-offload-dir's lists."""
     keys = [same(p) for p in paths]
     return [p for p, k in zip(paths, keys) if keys.count(k) > 1]
+
+
+def stale_bytes(offload_dir, rank) -> int:
+    """Drive space a run on ``offload_dir`` gets back as it opens ``rank<rank>/``: the
+    blocks of the swap files a run that is gone left there (``RankDir`` removes them), or 0
+    while a live job holds that directory's lock (its files are its own). For the space
+    checks made before the store opens (the pre-flight)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dir_fd = os.open(os.path.join(offload_dir, f"rank{rank}"), flags | os.O_DIRECTORY)
+    except OSError:
+        return 0
+    lock_fd = -1
+    try:
+        try:
+            lock_fd = os.open(LOCK_NAME, flags | os.O_NONBLOCK, dir_fd=dir_fd)
+            if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+                return 0
+            fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # fails while one is held
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return 0
+        total = 0
+        for name in os.listdir(dir_fd):
+            if name.endswith(SWAP_SUFFIX):
+                st = os.lstat(name, dir_fd=dir_fd)
+                if _not_ours(st) is None:     # what RankDir removes and frees
+                    total += st.st_blocks * 512
+        return total
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        os.close(dir_fd)
 
 
 def file_system_groups(paths) -> list[list[int]]:
@@ -63,16 +108,28 @@ class UnsafeOffloadDirError(UnsafePathError, OffloadDirError):
     by another user: both an UnsafePathError and an OffloadDirError."""
 
 
-def probe_writable(path):
+def probe_writable(path, dir_fd=None):
     """Create and remove a file: the only test that is true for root (os.access is not).
-    Created without following a link (a leftover probe or a planted link is replaced)."""
+    Created without following a link (a leftover probe or a planted link is replaced);
+    ``dir_fd``: ``path``'s directory, opened (``safe_files.create_file``)."""
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
-    os.close(create_file(probe, what="write probe"))
-    os.unlink(probe)
+    os.close(create_file(probe, what="write probe", dir_fd=dir_fd))
+    os.unlink(os.path.basename(probe) if dir_fd is not None else probe, dir_fd=dir_fd)
 
 
 def _gib(n):
     return f"{n / 2**30:.2f} GiB"
+
+
+def _ours(owner: str, run_id: bytes) -> bool:
+    """Whether a lock file's text (``RankDir._lock``'s JSON) names this run of this
+    process (another store of the same process is another job)."""
+    try:
+        info = json.loads(owner)
+        return (info.get("pid"), info.get("host"), info.get("run_id")) == (
+            os.getpid(), socket.gethostname(), run_id.hex())
+    except (ValueError, AttributeError):
+        return False
 
 
 def _not_ours(st):
@@ -94,18 +151,23 @@ def _not_ours(st):
 class RankDir:
     """Owns `<offload_dir>/rank<rank>/` for the life of one job.
 
+    The run holds both directories open (``root_fd``, ``fd``) and makes, reads and removes
+    its entries relative to them: a directory mounted over either path, or a link put in
+    its place, during the run is never written through, and its own files are still
+    removed at the end. Every write at start-up that finds the drive full (no space, no
+    inodes) is a CapacityError naming the directory, with nothing of this run left there.
+
     free_space_probe(path) -> bytes and write_probe(path) are injectable for tests.
     """
 
-    def __init__(self, offload_dir, rank, run_id, free_space_probe=None,
-                 write_probe=probe_writable):
+    def __init__(self, offload_dir, rank, run_id, free_space_probe=None, write_probe=None):
         self.root = os.path.abspath(os.fspath(offload_dir))
         self.rank = rank
         self.path = os.path.join(self.root, f"rank{rank}")
         # Looked up at call time, so a test can stand in for the file system's free space.
         self.free_space_probe = free_space_probe or (lambda path: disk_free_bytes(path))
         self.stale = []        # [(path, header dict or None, size)] found and removed at open
-        self._lock_fd = -1
+        self._lock_fd = self.fd = self.root_fd = -1
         flag = "--snake-offload-dir"
         if not os.path.exists(self.root):
             raise OffloadDirError(f"{flag} {self.root} does not exist; create it on the NVMe drive "
@@ -119,34 +181,51 @@ class RankDir:
             log.warning("%s %s is writable by other users and has no sticky bit: another user "
                         "could replace the entries this run makes there; use a directory of "
                         "your own, or a sticky one like /tmp", flag, self.root)
+        # the directory the user named (a link there is their choice)
+        self.root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._open(write_probe, run_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, write_probe, run_id):
+        flag = "--snake-offload-dir"
         try:
             # made 0700, or taken only when it is a real directory of ours (never a link)
-            private_dir(self.path, what="rank directory")
+            self.fd = open_private_dir(self.path, what="rank directory", dir_fd=self.root_fd)
         except UnsafePathError as exc:
             raise self._unsafe(exc) from None
         except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise self._full(f"making {self.path}", self.root) from None
             if not os.path.lexists(self.path):
                 raise OffloadDirError(f"cannot create {self.path}: {exc.strerror}; is {flag} "
                                       f"{self.root} writable by this user?") from exc
             raise OffloadDirError(f"{self.path} is not writable ({exc.strerror}); {flag} must "
                                   "point to a writable directory on a local drive") from exc
         try:
-            write_probe(self.path)
+            if write_probe is None:
+                probe_writable(self.path, dir_fd=self.fd)
+            else:
+                write_probe(self.path)
         except UnsafePathError as exc:
             raise self._unsafe(exc) from None
         except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise self._full(f"creating a file in {self.path}") from None
             raise OffloadDirError(f"{self.path} is not writable ({exc.strerror}); {flag} must "
                                   "point to a writable directory on a local drive") from exc
         self._lock(run_id)
-        try:
-            self._remove_stale()
-        except BaseException:
-            self.close()
-            raise
+        self._remove_stale()
 
     def _unsafe(self, exc):
         """``exc`` (an UnsafePathError naming the path and what to do) with the flag."""
         return UnsafeOffloadDirError(f"{exc} (--snake-offload-dir {self.root})")
+
+    def _full(self, doing, directory=None):
+        return drive_full(f"--snake-offload-dir {self.root} (rank {self.rank})", doing,
+                          directory or self.path)
 
     # ------------------------------------------------------------ lock
 
@@ -155,10 +234,13 @@ class RankDir:
         when it is this user's regular file with no other name: nothing else is ever read,
         truncated or written through it."""
         try:
-            fd = open_owned_file(lock_path, what="lock file", flags=os.O_RDWR | os.O_CREAT)
+            fd = open_owned_file(lock_path, what="lock file", flags=os.O_RDWR | os.O_CREAT,
+                                 dir_fd=self.fd)
         except UnsafePathError as exc:
             raise self._unsafe(exc) from None
         except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise self._full(f"creating {lock_path}") from None
             raise OffloadDirError(f"cannot open {lock_path}: {exc.strerror} (--snake-offload-dir "
                                   f"{self.root})") from exc
         if os.fstat(fd).st_nlink != 1:
@@ -177,6 +259,12 @@ class RankDir:
             except OSError as exc:
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
                 os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and _ours(owner, run_id):
+                    # our own lock, taken through another path to this directory
+                    raise OffloadDirError(
+                        f"{self.path} is locked by this run itself: the directory is named "
+                        "twice in --snake-offload-dir (by another path to it: a link or a "
+                        "bind mount?); give each directory once") from None
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise OffloadDirError(
                         f"{self.path} is in use by another job ({owner or 'owner unknown'}); two "
@@ -185,7 +273,7 @@ class RankDir:
                 raise OffloadDirError(f"cannot lock {lock_path}: {exc.strerror}") from exc
             # the file we locked must still be the one at lock_path (a closing job unlinks it)
             try:
-                same = os.lstat(lock_path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(LOCK_NAME, dir_fd=self.fd).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -193,20 +281,26 @@ class RankDir:
             os.close(fd)
         else:
             raise OffloadDirError(f"cannot lock {lock_path}: it keeps being replaced")
+        # ours from here: close() removes it, whatever follows fails
+        self._lock_fd, self.lock_path = fd, lock_path
         previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
         if previous:
             self.stale.append((lock_path, {"previous_owner": previous}, len(previous)))
         info = dict(pid=os.getpid(), host=socket.gethostname(), run_id=run_id.hex(),
                     started=time.strftime("%Y-%m-%dT%H:%M:%S"))
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        self._lock_fd = fd
-        self.lock_path = lock_path
+        try:
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise self._full(f"writing {lock_path}") from None
+            raise
 
     def _remove_stale(self):
-        for path in sorted(glob.glob(os.path.join(self.path, "*" + SWAP_SUFFIX))):
+        for name in sorted(n for n in os.listdir(self.fd) if n.endswith(SWAP_SUFFIX)):
+            path = os.path.join(self.path, name)
             try:
-                st = os.lstat(path)             # the entry itself, never what a link names
+                st = os.lstat(name, dir_fd=self.fd)   # the entry itself, never a link's target
             except FileNotFoundError:
                 continue
             not_read = _not_ours(st)
@@ -217,9 +311,10 @@ class RankDir:
             # a link, a FIFO or device, another user's file or a hard link is removed (the
             # entry, not what it names) without being opened; read_file_header itself opens
             # without following a link and reads only this user's regular files
-            hdr = {"not_read": not_read} if not_read else read_file_header(path)
+            hdr = {"not_read": not_read} if not_read else read_file_header(path,
+                                                                           dir_fd=self.fd)
             self.stale.append((path, hdr, 0 if not_read else st.st_size))
-            os.unlink(path)
+            os.unlink(name, dir_fd=self.fd)
         if self.stale:
             lines = []
             for path, hdr, size in self.stale:
@@ -256,23 +351,39 @@ class RankDir:
 
     # ------------------------------------------------------------ cleanup
 
+    def unlink(self, path, fd=-1):
+        """Remove this run's file ``path`` (an entry of this directory) through the open
+        directory. Raises OSError when it cannot; when its name is gone but the file ``fd``
+        (open) still has one, it was moved away: ENOENT, named as such."""
+        try:
+            os.unlink(os.path.basename(path), dir_fd=self.fd)
+        except FileNotFoundError:
+            if fd >= 0 and os.fstat(fd).st_nlink:
+                raise FileNotFoundError(errno.ENOENT, "moved away from its name during the "
+                                        "run, so it was not removed", path) from None
+
     def close(self):
-        """Clean exit: remove the lock file (swap files are removed by their owners). Returns
-        [(path, bytes, OSError)] of what could not be removed; the lock is released anyway."""
+        """Clean exit: remove the lock file (swap files are removed by their owners) and the
+        directory when it is empty. Returns [(path, bytes, OSError)] of what could not be
+        removed; the lock is released anyway."""
         left = []
         if self._lock_fd >= 0:
             try:
-                os.unlink(self.lock_path)
-            except FileNotFoundError:
-                pass
+                self.unlink(self.lock_path, self._lock_fd)
             except OSError as exc:
                 left.append((self.lock_path, os.fstat(self._lock_fd).st_size, exc))
             os.close(self._lock_fd)   # releases the flock
             self._lock_fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
             try:
-                os.rmdir(self.path)   # only when empty
+                os.rmdir(os.path.basename(self.path), dir_fd=self.root_fd)   # only when empty
             except OSError:
                 pass
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
         return left
 
     def left_behind(self, left) -> OffloadDirError:
@@ -287,6 +398,7 @@ class RankDir:
         total = amount(sum(nbytes for _, nbytes, _ in left))
         return OffloadDirError(
             f"{self.path}: {len(left)} file(s) of this run, {total} in all, could not be "
-            f"removed at its end ({reasons}): {files}. Its permissions changed during the "
-            f"run? Restore them (chmod 0700 {self.path}) and remove the files; nothing reads "
-            f"them again (the next run on --snake-offload-dir {self.root} removes them too)")
+            f"removed at its end ({reasons}): {files}. Its permissions or its file system "
+            f"changed during the run? Restore them (chmod 0700 {self.path}) and remove the "
+            "files; nothing reads them again (the next run on --snake-offload-dir "
+            f"{self.root} removes them too)")

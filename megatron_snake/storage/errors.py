@@ -1,6 +1,12 @@
 """Exceptions of the storage layer. Every message names the path and what to do."""
 
+import errno
+import os
+
 from megatron_snake.errors import UserError
+
+# what a full drive answers a write or a new file with: no blocks, no inodes, or the quota
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class OffloadError(RuntimeError):
@@ -14,6 +20,19 @@ class OffloadDirError(OffloadError, UserError):
 
 class CapacityError(OffloadError, UserError):
     """The file system under --snake-offload-dir cannot hold what the run plans to put there."""
+
+
+def drive_full(where: str, doing: str, directory: str) -> CapacityError:
+    """The error for a write or a new file refused for want of space (``NO_SPACE``):
+    ``where`` names the offload directory, ``doing`` what was being written, and
+    ``directory``'s file system says whether its inodes or its blocks ran out."""
+    try:
+        st = os.statvfs(directory)
+        why = "out of inodes" if st.f_favail == 0 and st.f_files else "no space left"
+    except OSError:
+        why = "no space left"
+    return CapacityError(f"{where}: the drive is full ({why}) {doing}; free space on it, or "
+                         "point --snake-offload-dir at another drive")
 
 
 class HostMemoryError(OffloadError, UserError):

@@ -21,6 +21,12 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = os.O_NOFOLLOW | _CLOEXEC
 
 
+def _at(path: str, dir_fd: int | None) -> str:
+    """The name to use with ``dir_fd``: ``path``'s last component when ``dir_fd`` is its
+    parent directory, opened (messages still show the whole path), else ``path``."""
+    return path if dir_fd is None else os.path.basename(path)
+
+
 def _check(st: os.stat_result, path: str, want_dir: bool, what: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError(f"{what} {path} is a symbolic link; the run does not follow links "
@@ -35,23 +41,34 @@ def _check(st: os.stat_result, path: str, want_dir: bool, what: str) -> None:
                               "it or choose another directory")
 
 
-def private_dir(path: str, *, what: str = "directory", mode: int = 0o700) -> None:
-    """Make the directory ``path`` with ``mode``, or take the one there if it is a real
-    directory owned by this user (its mode is then set to ``mode``)."""
+def open_private_dir(path: str, *, what: str = "directory", mode: int = 0o700,
+                     dir_fd: int | None = None) -> int:
+    """``private_dir``, returning the directory opened (``O_DIRECTORY``): entries made
+    relative to it (``dir_fd=``) land in this directory whatever is later mounted over,
+    renamed to or linked at its path. ``dir_fd``: ``path``'s parent, opened (``_at``)."""
+    name = _at(path, dir_fd)
     try:
-        os.mkdir(path, mode)
+        os.mkdir(name, mode, dir_fd=dir_fd)
     except FileExistsError:
         pass
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:   # ELOOP: a link; ENOTDIR: something else
-        _check(os.lstat(path), path, True, what)
+        _check(os.lstat(name, dir_fd=dir_fd), path, True, what)
         raise UnsafePathError(f"{what} {path}: {exc.strerror}") from exc
     try:
         _check(os.fstat(fd), path, True, what)
         os.fchmod(fd, mode)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def private_dir(path: str, *, what: str = "directory", mode: int = 0o700) -> None:
+    """Make the directory ``path`` with ``mode``, or take the one there if it is a real
+    directory owned by this user (its mode is then set to ``mode``)."""
+    os.close(open_private_dir(path, what=what, mode=mode))
 
 
 def private_dirs(root: str, relative: str, *, what: str = "directory") -> str:
@@ -65,29 +82,34 @@ def private_dirs(root: str, relative: str, *, what: str = "directory") -> str:
     return path
 
 
-def create_file(path: str, *, what: str = "file", mode: int = 0o600) -> int:
+def create_file(path: str, *, what: str = "file", mode: int = 0o600,
+                dir_fd: int | None = None) -> int:
     """A new file at ``path`` (mode 0600), opened for writing; a leftover entry there (a
-    file from a crashed run, or a planted link) is removed first, never followed."""
+    file from a crashed run, or a planted link) is removed first, never followed.
+    ``dir_fd``: ``path``'s parent, opened (``_at``)."""
+    name = _at(path, dir_fd)
     try:
-        st = os.lstat(path)
+        st = os.lstat(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     else:
         if stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{what} {path} exists and is a directory; remove it")
-        os.unlink(path)   # removes a link itself, not what it points to
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+        os.unlink(name, dir_fd=dir_fd)   # removes a link itself, not what it points to
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode,
+                   dir_fd=dir_fd)
 
 
 def open_owned_file(path: str, *, what: str = "file", mode: int = 0o600,
-                    flags: int = os.O_RDWR | os.O_CREAT) -> int:
+                    flags: int = os.O_RDWR | os.O_CREAT, dir_fd: int | None = None) -> int:
     """Open (creating it if ``flags`` say so) the regular file ``path`` without following a
-    link, and check this user owns it."""
+    link, and check this user owns it. ``dir_fd``: ``path``'s parent, opened (``_at``)."""
+    name = _at(path, dir_fd)
     try:
-        fd = os.open(path, flags | _NOFOLLOW, mode)
+        fd = os.open(name, flags | _NOFOLLOW, mode, dir_fd=dir_fd)
     except OSError as exc:
         try:
-            _check(os.lstat(path), path, False, what)
+            _check(os.lstat(name, dir_fd=dir_fd), path, False, what)
         except FileNotFoundError:
             pass
         raise

@@ -24,7 +24,8 @@ import time
 import zlib
 
 from megatron_snake.storage.engine import crc32c_native
-from megatron_snake.storage.errors import CapacityError, IntegrityError, OffloadIOError
+from megatron_snake.storage.errors import (NO_SPACE, CapacityError, IntegrityError,
+                                            OffloadIOError, drive_full)
 from megatron_snake.storage.safe_files import open_owned_file
 
 log = logging.getLogger("megatron_snake.storage")
@@ -109,26 +110,30 @@ def verify_record(addr, run_id, khash, seq, segment, nbytes, checksum_fn, key, w
 
 # ---------------------------------------------------------------- files
 
-def open_direct(path, create=True):
+def open_direct(path, create=True, dir_fd=None):
     """Open with O_DIRECT when the file system supports it; returns (fd, direct). Never
-    through a symbolic link: a new file (O_EXCL), or an existing one without following."""
+    through a symbolic link: a new file (O_EXCL), or an existing one without following.
+    ``dir_fd``: ``path``'s directory, opened (its last component is opened there)."""
     flags = (os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0) | os.O_NOFOLLOW
              | getattr(os, "O_CLOEXEC", 0))
+    name = path if dir_fd is None else os.path.basename(path)
     odirect = getattr(os, "O_DIRECT", 0)
     if odirect:
         try:
-            return os.open(path, flags | odirect, 0o600), True
+            return os.open(name, flags | odirect, 0o600, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o600), False
+    return os.open(name, flags, 0o600, dir_fd=dir_fd), False
 
 
-def read_file_header(path):
+def read_file_header(path, dir_fd=None):
     """The parsed header of a swap file (dict) or None when it is not one of ours (nor a
-    regular file of this user's: a link is not followed)."""
+    regular file of this user's: a link is not followed). ``dir_fd``: ``path``'s
+    directory, opened."""
     try:
-        fd = open_owned_file(path, what="swap file", flags=os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_owned_file(path, what="swap file", flags=os.O_RDONLY | os.O_NONBLOCK,
+                             dir_fd=dir_fd)
         with os.fdopen(fd, "rb") as f:
             raw = f.read(FILE_HEADER.size)
         magic, ver, bs, ck, rid, pid, created, kind = FILE_HEADER.unpack(raw)
@@ -141,12 +146,21 @@ def read_file_header(path):
 
 
 class SwapFile:
-    """One preallocated file for one kind of state, with an extent allocator."""
+    """One preallocated file for one kind of state, with an extent allocator. ``directory``:
+    the RankDir it is made in (made and removed through its open directory, and a full
+    drive named by it), or None (by path)."""
 
-    def __init__(self, path, kind, run_id, engine, checksum, block_size=4096, growth_bytes=64 << 20):
+    def __init__(self, path, kind, run_id, engine, checksum, block_size=4096,
+                 growth_bytes=64 << 20, directory=None):
         self.path, self.kind, self.run_id, self.engine = path, kind, run_id, engine
         self.block_size, self.growth_bytes = block_size, growth_bytes
-        self.fd, self.direct = open_direct(path)
+        self.directory = directory
+        try:
+            self.fd, self.direct = open_direct(path, dir_fd=directory.fd if directory else None)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise self._full("creating") from None
+            raise
         self._lock = threading.Lock()
         self._free = []            # sorted [(offset, length)]
         self._end = FILE_HEADER_BYTES  # first byte after the last extent handed out
@@ -154,10 +168,20 @@ class SwapFile:
         self.used = 0
         try:
             self._ensure_size(FILE_HEADER_BYTES)
-            self._write_header(checksum)
+            try:
+                self._write_header(checksum)
+            except OSError as exc:
+                if exc.errno in NO_SPACE:
+                    raise self._full("writing the header of") from None
+                raise
         except BaseException:
             self.close(remove=True)
             raise
+
+    def _full(self, doing) -> CapacityError:
+        where = (f"--snake-offload-dir {self.directory.root} (rank {self.directory.rank})"
+                 if self.directory else os.path.dirname(self.path))
+        return drive_full(where, f"{doing} {self.path}", os.path.dirname(self.path))
 
     def _write_header(self, checksum):
         hdr = mmap.mmap(-1, FILE_HEADER_BYTES)  # page aligned, as O_DIRECT wants
@@ -245,11 +269,17 @@ class SwapFile:
                 fr.pop()
 
     def close(self, remove=True):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if remove:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        """Close the file and remove it (``remove``); OSError when it cannot be removed
+        (closed anyway)."""
+        try:
+            if remove and self.directory is not None:
+                self.directory.unlink(self.path, self.fd)   # a moved file is named
+            elif remove:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1

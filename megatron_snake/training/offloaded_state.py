@@ -107,7 +107,8 @@ def offload_dirs_for_rank(value: str, rank: int) -> list[str]:
     twice = named_twice(dirs)
     if twice:
         raise FlagError(f"--snake-offload-dir {value!r}: rank {rank} gets one directory more "
-                        f"than once ({', '.join(twice)}); give each drive's directory once")
+                        f"than once ({', '.join(twice)}: named twice, by another path, a "
+                        "link or a bind mount); give each drive's directory once")
     return dirs
 
 

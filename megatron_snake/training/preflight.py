@@ -16,7 +16,7 @@ import contextlib
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -230,6 +230,10 @@ class Preflight:
     # buffers on the host tier; on the drive, as much as its free space leaves room for
     speculation: Speculation = Speculation()
     device_plan: DevicePlan = DevicePlan()   # the optimizer's share on the device
+    # each offload directory's bytes of a killed run's swap files in rank<N>/, which the
+    # store removes as it opens: counted as free (``run`` adds them to the free space)
+    stale: tuple = ()
+    rank: int = 0                # the global rank: its directory is rank<N>/
 
     @property
     def params_rank(self) -> int:
@@ -369,9 +373,21 @@ class Preflight:
             *(self._drive_line(i, free) for i, free in enumerate(frees)),
         ])
 
+    def stale_in(self, i: int) -> int:
+        return self.stale[i] if i < len(self.stale) else 0
+
+    def free_text(self, i: int, free: int) -> str:
+        """``free`` bytes of directory ``i``'s drive, in words: with the part a killed
+        run's files hold, which the run removes first."""
+        stale = self.stale_in(i)
+        return f"{size(free)}" + (
+            f" (with the {size(stale)} of swap files a killed run left in "
+            f"{os.path.join(self.offload_paths[i], f'rank{self.rank}')}, which this run "
+            "removes first)" if stale else "")
+
     def _drive_line(self, i: int, free: int | None) -> str:
         t, n = self.tiers, len(self.offload_paths)
-        free = "" if free is None else f", {size(free)} free"
+        free = "" if free is None else f", {self.free_text(i, free)} free"
         saved = ""
         if self.checkpoints and not self.checkpoints_on_drive:
             saved = f"; --save checkpoints {size(self.checkpoints)} on another drive"
@@ -518,7 +534,7 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         checkpoints_on=next((i for i, path in enumerate(paths) if os.path.isdir(path)
                              and saves_to_offload_drive(args, path)), None),
         offload_paths=tuple(paths), offload_dir_given=bool(args.snake_offload_dir),
-        precision=precision, speculation=speculation, device_plan=device)
+        precision=precision, speculation=speculation, device_plan=device, rank=rank)
 
 
 def update_bytes(precision: Precision, elements: int) -> int:
@@ -552,7 +568,9 @@ def check(preflight: Preflight, args, frees: list | None) -> None:
     # directories on one file system share its free space: checked once, together, as
     # the first of them
     for group in directory.file_system_groups(pf.offload_paths) if frees else ():
-        i, free = group[0], frees[group[0]]
+        i = group[0]
+        free = frees[i] if frees[i] is None else \
+            frees[i] + sum(pf.stale_in(j) for j in group[1:])
         need = sum(pf.drive_needed_in(j) for j in group)
         if free is None or need <= free:
             continue
@@ -565,7 +583,7 @@ def check(preflight: Preflight, args, frees: list | None) -> None:
             f"{pf.drive_label(i)}: the run needs {size(need)} of drive space {where} "
             f"({size(pf.drive_planned_in(i))} planned: {share}{pf.drive_parts(i)}; with the "
             f"{directory.MARGIN_FRACTION:.0%} + {directory.MARGIN_BYTES >> 20} MiB margin), "
-            f"{size(free)} is free: free {size(need - free)} more, "
+            f"{pf.free_text(i, free)} is free: free {size(need - free)} more, "
             "or point --snake-offload-dir at a larger drive.")
         if pf.checkpoints_on == i:
             message += (f" (This counts {size(pf.checkpoints)} of --save checkpoints on the "
@@ -613,7 +631,13 @@ def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
         args.snake_host_memory_limit = pf.pool_bytes
         if not args.snake_offload_dir:   # killed runs' leftovers are not counted as used
             sweep_dead_temp_offload_dirs()
-        frees = [drive_free_bytes(path) for path in pf.offload_paths]
+        # a killed run's swap files in this rank's directory are removed before the store
+        # plans: their space is free for this run
+        stale = tuple(directory.stale_bytes(path, rank) if pf.offload_dir_given else 0
+                      for path in pf.offload_paths)
+        pf = replace(pf, stale=stale)
+        frees = [None if free is None else free + extra
+                 for free, extra in zip(map(drive_free_bytes, pf.offload_paths), stale)]
         log(pf.summary(frees))
         check(pf, args, frees)
     except (OSError, ValueError, RuntimeError) as exc:

@@ -48,10 +48,11 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreLoadPlanner,
                                                                TorchDistLoadShardedStrategy)
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta)
+                                                   StorageMeta, TensorStorageMetadata)
 
 from megatron_snake import releases
 from megatron_snake.storage.errors import UnsafePathError
@@ -238,23 +239,51 @@ def _unpickling_error(exc: pickle.UnpicklingError, what: str) -> ValueError:
 
 class _SafeReader(FileSystemReader):
     """torch's reader with the checked ``read_metadata`` and files opened through
-    ``NoFollowFileSystem``; a failure while reading the data names the bytes being read."""
+    ``NoFollowFileSystem``; a failure while reading the data names the bytes being read.
+    Every tensor chunk read must be of the dtype and shape ``.metadata`` records for it:
+    torch's reader casts a chunk of another dtype into its target and narrows a larger one
+    without a word."""
 
     def __init__(self, path):
         super().__init__(path)
         self.fs = NoFollowFileSystem()
         self._reading = f"the data files of {self.path}"
+        self._chunk = None        # (entry, dtype, shape) .metadata records for the one read
+        self._chunks: dict = {}   # id(storage info) -> that
+
+    def set_up_storage_reader(self, metadata, *args, **kwargs):
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+        entries = metadata.state_dict_metadata
+        for index, info in metadata.storage_data.items():
+            entry = entries.get(index.fqn)
+            if isinstance(entry, TensorStorageMetadata):
+                shape = next((tuple(c.sizes) for c in entry.chunks
+                              if tuple(c.offsets) == tuple(index.offset or ())), None)
+                self._chunks[id(info)] = (index.fqn, entry.properties.dtype, shape)
 
     def _slice_file(self, file, sinfo):
         self._reading = (f"{os.path.join(self.path, sinfo.relative_path)} bytes "
                          f"{sinfo.offset}..{sinfo.offset + sinfo.length}")
+        self._chunk = self._chunks.get(id(sinfo))
         return super()._slice_file(file, sinfo)
+
+    def _checked_narrow(self, tensor, offsets, lengths):
+        """torch's ``narrow_tensor_by_index``, called by its reader on each chunk it has
+        just loaded (before the copy into its target): the chunk checked first."""
+        if self._chunk is not None:
+            fqn, dtype, shape = self._chunk
+            if tensor.dtype != dtype or (shape is not None and tuple(tensor.shape) != shape):
+                raise CheckpointCorruptError(
+                    f"{fqn!r} holds a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+                    f"where .metadata records {dtype} of shape {shape}; {ADVICE}")
+        return _narrow(tensor, offsets, lengths)
 
     def read_data(self, plan, planner):
         try:
             # the tensor chunks are read with weights_only=True: under torch's own
-            # allowlist, not the one megatron.core widened
-            with only_safe_globals(()):
+            # allowlist, not the one megatron.core widened; each is checked as it is read
+            # (the reader looks the narrowing function up in its module at each call)
+            with only_safe_globals(()), _narrowing(self._checked_narrow):
                 return super().read_data(plan, planner)
         except MemoryError:
             raise
@@ -271,6 +300,20 @@ class _SafeReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+_narrow = dcp_filesystem.narrow_tensor_by_index
+
+
+@contextlib.contextmanager
+def _narrowing(function):
+    """torch's DCP reader with ``function`` as its ``narrow_tensor_by_index`` (one load at
+    a time: loads are collective)."""
+    dcp_filesystem.narrow_tensor_by_index = function
+    try:
+        yield
+    finally:
+        dcp_filesystem.narrow_tensor_by_index = _narrow
 
 
 class _SafeLoadPlanner(MCoreLoadPlanner):

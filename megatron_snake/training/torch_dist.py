@@ -173,8 +173,8 @@ def load(iter_dir: str, *, root: str, run, takes_optimizer: bool, takes_rng: boo
     with _refusals(root, iter_dir):
         if run.offloaded:
             loaded = torch_dist_offloaded.load(iter_dir, run, with_optimizer=takes_optimizer,
-                                               extra=extra,
-                                               master_dtype=master_dtype)
+                                               extra=extra, master_dtype=master_dtype,
+                                               metadata=metadata)
         else:
             loaded = _load_in_memory(iter_dir, root, run, takes_optimizer, extra,
                                      master_dtype)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,7 @@ from megatron_snake.optim.dp_shards import all_reduce_on_backend
 from megatron_snake.optim.precision import Precision
 from megatron_snake.optim.unit_params import SHARED, FlatLayout
 from megatron_snake.training import safe_dcp
+from megatron_snake.training.checkpointing import CheckpointMismatchError
 from megatron_snake.training.dcp_stream import fragment_sharded_tensors, stream_save
 
 # our optimizer state names -> Megatron's
@@ -225,21 +227,48 @@ def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict
     cache.clear()
 
 
+def check_recorded(metadata, pairs, where: str) -> None:
+    """Each fragment a load reads must be recorded in ``metadata`` (``where``'s
+    ``.metadata``) in the dtype this run reads it in (``checkpoint_dtypes``) and with its
+    global shape: torch's reader would cast another dtype into the run's buffers without a
+    word. (Each chunk is held to ``.metadata`` as it is read: ``safe_dcp``.)"""
+    entries = metadata.state_dict_metadata
+    for fragment, _ in pairs:
+        entry = entries.get(fragment.key)
+        if entry is None or not hasattr(entry, "properties"):
+            continue   # not there: Megatron's load names the missing key
+        have, want = (entry.properties.dtype, tuple(entry.size)), \
+            (fragment.dtype, tuple(fragment.global_shape))
+        if have != want:
+            raise CheckpointMismatchError(
+                f"{where} records {fragment.key!r} as {have[0]} of shape {have[1]}, where "
+                f"this run reads {want[0]} of shape {want[1]}: not a checkpoint of this "
+                "model and these flags; load another")
+
+
 def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
-         master_dtype: torch.dtype | None = None) -> dict:
+         master_dtype: torch.dtype | None = None, metadata=None) -> dict:
     """Load ``iter_dir`` (a torch_dist checkpoint of either kind of run, any layout) into
     the offloaded run: the resident model tensors, ``extra`` and the shared layout's
     optimizer state in one collective load, then each unit in its own, one at a time.
     ``master_dtype``: the dtype the checkpoint holds the master weights in (fp32, or int16
-    remainders; None: this run's). Returns the loaded ``extra``."""
+    remainders; None: this run's). ``metadata``: its ``.metadata``, which every fragment
+    is checked against (``check_recorded``). Returns the loaded ``extra``."""
+    where = os.path.join(iter_dir, ".metadata")
+
+    def checked(pairs):
+        if metadata is not None:
+            check_recorded(metadata, pairs, where)
+        return pairs
+
     weights, gpt = run.offloaded.weights, unwrap_model(run.model)
     resident, parts = model_sharded_tensors(run)
     # Megatron's per-layer extra state is empty here (no Transformer Engine): not read
     resident = {k: v for k, v in resident.items() if not isinstance(v, ShardedObject)}
     shared = weights.params.shared
-    pairs = layout_fragments(run, shared, parts, with_weights=False,
-                             with_optimizer=with_optimizer,
-                             master_dtype=master_dtype) if shared.segments else []
+    pairs = checked(layout_fragments(run, shared, parts, with_weights=False,
+                                     with_optimizer=with_optimizer,
+                                     master_dtype=master_dtype)) if shared.segments else []
     state = _buffers(run, shared, pairs, with_optimizer, master_dtype)
     loaded = _load(iter_dir, {"model": resident, "fragments": _targets(pairs, state),
                               **extra})
@@ -261,8 +290,9 @@ def load(iter_dir: str, run, *, with_optimizer: bool, extra: dict,
             _load(iter_dir, {})
             continue
         lay = units[index]
-        pairs = layout_fragments(run, lay, parts, with_weights=True,
-                                 with_optimizer=with_optimizer, master_dtype=master_dtype)
+        pairs = checked(layout_fragments(run, lay, parts, with_weights=True,
+                                         with_optimizer=with_optimizer,
+                                         master_dtype=master_dtype))
         state = _buffers(run, lay, pairs, with_optimizer, master_dtype)
         _fill(state, pairs, _load(iter_dir, {"fragments": _targets(pairs, state)}
                                   ).get("fragments", []))

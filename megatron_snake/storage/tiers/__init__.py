@@ -38,7 +38,8 @@ def open_drive(offload_dirs, rank, run_id, copies, counters, engine="auto", queu
     twice = named_twice(paths)
     if twice:
         raise OffloadDirError(f"--snake-offload-dir names one directory more than once "
-                              f"({', '.join(twice)}); give each once (one per drive)")
+                              f"({', '.join(twice)}: named twice, by another path, a link "
+                              "or a bind mount); give each once (one per drive)")
     dirs, drives, backend = [], [], None
     try:
         for path in paths:

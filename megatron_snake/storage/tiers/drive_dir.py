@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 
+from megatron_snake.storage.errors import OffloadDirError
 from megatron_snake.storage.swap_file import SwapFile
 
 log = logging.getLogger("megatron_snake.storage")
@@ -32,8 +33,15 @@ class DriveDir:
                 f = self.files.get(kind)
                 if f is None:
                     path = os.path.join(self.path, f"{kind}.swap")
-                    f = SwapFile(path, kind, self.run_id, self.engine, checksum,
-                                 block_size=max(4096, os.statvfs(self.path).f_bsize))
+                    try:
+                        f = SwapFile(path, kind, self.run_id, self.engine, checksum,
+                                     block_size=max(4096, os.fstatvfs(self.dir.fd).f_bsize),
+                                     directory=self.dir)
+                    except FileNotFoundError:   # nothing can be made in a removed directory
+                        raise OffloadDirError(
+                            f"{self.path} was removed during the run, so its {kind} swap file "
+                            "cannot be made; keep --snake-offload-dir's rank directories "
+                            "while a run uses them") from None
                     if not f.direct and not self._direct_logged:
                         self._direct_logged = True
                         log.warning("offload dir %s: the file system does not support O_DIRECT "
