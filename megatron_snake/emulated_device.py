@@ -165,6 +165,8 @@ class EmulatedCopies:
             nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
             on_link = link_copy(nbytes, direction)
             if on_link is not None:
+                self.traffic.pairs(pairs, device_dst=direction == "h2d",
+                                   device_src=direction == "d2h")
                 if self._record is not None:
                     self._record(f"link {direction}", "link", *on_link,
                                  thread=f"link {direction}", bytes=nbytes,

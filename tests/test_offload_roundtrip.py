@@ -453,3 +453,41 @@ def test_a_host_buffer_is_resident_when_it_is_made():
         assert all(p & 1 for p in pages)
     pool.release(bufs)
     pool.close()
+
+
+def test_a_new_value_given_back_to_the_device_crosses_once_from_its_buffers(tmp_path):
+    """The new working weights an update writes into lent host buffers, stored on the
+    device tier: copied there from those buffers (one crossing of its bytes, counted on the
+    host side), not first copied out of them into a tensor of their own (a copy within
+    host memory: read and written)."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        new = s.borrow_new("w", (40000,), torch.bfloat16, tier="gpu")
+        assert s.pool.resident == 2, "the pool's buffers"
+        value = torch.randn(40000).to(torch.bfloat16)
+        at = 0
+        for piece in new:
+            piece.copy_(value[at:at + piece.numel()])
+            at += piece.numel()
+        before = s.copies.traffic.snapshot()
+        s.give_back("w", tier="gpu").wait()
+        after = s.copies.traffic.snapshot()
+        moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        assert moved == {"crossing": 80000}, moved
+        assert s.tiers("w") == ["gpu"] and s.pool.resident == 0
+        assert torch.equal(s.get("w").wait(), value)
+
+
+def test_host_traffic_counts_the_host_side_of_each_copy():
+    """A copy within host memory reads one side and writes the other; a crossing touches
+    host memory once; a copy between two device tensors touches none."""
+    from megatron_snake.storage.copies import HostTraffic, per_parameter_step
+    t = HostTraffic()
+    a, b = torch.empty(100), torch.empty(100, dtype=torch.bfloat16)
+    t.pairs([(a, b)])
+    t.pairs([(a, b)], device_dst=True)
+    t.pairs([(b, a)], device_src=True)
+    t.pairs([(a, a)], device_dst=True, device_src=True)
+    assert t.snapshot() == {"update": 0, "copy": 600, "crossing": 400, "drive": 0,
+                            "checksum": 0}
+    assert per_parameter_step(t.snapshot(), 100, 2) == \
+        "5.0 B per parameter per step (copy 3.0, crossing 2.0)"

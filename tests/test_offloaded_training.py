@@ -431,3 +431,50 @@ def test_an_update_cut_at_host_buffers_equals_torch_adamw_per_parameter(tmp_path
     for name, value in expected.items():
         assert torch.equal(state[name], value), \
             f"{name}: {(state[name] != value).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_the_update_writes_each_new_working_weight_once_into_its_record(megatron_world,
+                                                                        tmp_path, tier):
+    """bf16 working weights from fp32 masters: the update's kernel writes them straight
+    into the new record the store lends (its host buffers), which is then stored where
+    ``publish`` would have put it: no converted copy is made (``put_converted`` is not
+    called for a unit's weights), and every record holds its master cast to bf16 (torch's
+    rounding, as Megatron copies its masters into the bf16 parameters)."""
+    from megatron_snake.optim.unit_params import SHARED
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.build import build_run
+    from megatron_snake.training.data import random_microbatches
+    args = parse_args(["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads",
+                       "4", "--seq-length", "32", "--micro-batch-size", "2",
+                       "--global-batch-size", "4", "--tokenizer-type", "NullTokenizer",
+                       "--vocab-size", "256", "--device", "cpu", "--snake-offload", "--bf16",
+                       "--snake-param-tier", tier, "--snake-speculate", "off",
+                       "--snake-offload-dir", str(tmp_path)])
+    with build_run(args, megatron_world, 256, log=lambda _: None) as run:
+        store, converted = run.tensor_store, []
+        put_converted = store.put_converted
+
+        def counting(key, *a, **k):
+            converted.append(key)
+            return put_converted(key, *a, **k)
+
+        store.put_converted = counting
+        for step in range(3):
+            run.step(random_microbatches(args.num_microbatches, args.micro_batch_size,
+                                         args.seq_length, 256, seed=step,
+                                         device=megatron_world))
+        run.optimizer.flush()
+        store.synchronize()
+        units = [k for k in converted if k[0] == "w" and k[1] != SHARED]
+        assert units == [], units
+        checked = 0
+        for key in run.optimizer.layouts:
+            for part in ("bwd", "fwd"):
+                if key == SHARED or ("w", key, part) not in store:
+                    continue
+                master = store.get(("master", key, part)).wait()
+                assert torch.equal(store.get(("w", key, part)).wait(),
+                                   master.to(torch.bfloat16)), (key, part)
+                checked += 1
+        assert checked >= 4

@@ -267,6 +267,8 @@ def timed_steps(run, a, device, num_mb: int, warmup: int, steps: int, seed0: int
         if i == warmup:
             update0, blocked0 = getattr(opt, "update_s", 0.0), getattr(opt, "blocked_s", 0.0)
             phases0 = dict(getattr(opt, "update_phase_s", {}))
+            traffic0 = run.tensor_store.copies.traffic.snapshot() \
+                if getattr(run, "tensor_store", None) is not None else None
         t0 = time.perf_counter()
         out = run.step(mbs)
         sync(device)
@@ -282,7 +284,22 @@ def timed_steps(run, a, device, num_mb: int, warmup: int, steps: int, seed0: int
                       update_phase_s={name: s - phases0.get(name, 0.0)
                                       for name, s in opt.update_phase_s.items()},
                       optimizer_threads=opt.threads)
+    if getattr(run, "tensor_store", None) is not None and steps:
+        # host memory read and written per parameter of this rank per timed step, by pass
+        now = run.tensor_store.copies.traffic.snapshot()
+        params = sum(lay.numel for lay in opt.layouts.values())
+        result["host_bytes_per_param_step"] = {k: (now[k] - traffic0[k]) / params / steps
+                                               for k in now}
     return result
+
+
+def host_bytes(r: dict) -> str:
+    """The offloaded run's host memory traffic per parameter per timed step, by pass."""
+    per = r.get("host_bytes_per_param_step")
+    if not per:
+        return ""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v)
+    return f"; host memory {sum(per.values()):.1f} B per parameter per step ({parts})"
 
 
 def figures(a, layers: int, num_mb: int, r: dict) -> dict:
@@ -1018,7 +1035,8 @@ def print_run(r: dict, sizing: dict) -> None:
     print(f"{head} clip {r['clip_grad']:g}: {r['tokens_per_s']:.0f} tokens/s "
           f"{tf(r['tflops_per_gpu'])} TFLOP/s, optimizer hidden "
           f"{fmt_share(r.get('hidden_share'))},{memory}, losses "
-          f"{[round(x, 3) for x in r['losses']]}" + update_phases(r), flush=True)
+          f"{[round(x, 3) for x in r['losses']]}" + update_phases(r) + host_bytes(r),
+          flush=True)
 
 
 def update_phases(r: dict) -> str:

@@ -193,6 +193,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             before = drive_rates(store)
             update0, blocked0 = opt.update_s, opt.blocked_s
             phases0 = dict(opt.update_phase_s)
+            traffic0 = store.copies.traffic.snapshot()
             cpu_start = time.process_time()
             with timeline.recording() as recorded:
                 if emulate:
@@ -209,6 +210,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             # all of the process's threads: what the step takes from the cores the drive's
             # I/O shares (on this VM the drive slows beside busy cores)
             cpu_s = time.process_time() - cpu_start
+            traffic = store.copies.traffic.snapshot()   # before the drive's calibration
             after = drive_rates(store)
             if step < a.warmup:
                 if tune is not None:
@@ -223,6 +225,11 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             row["update_s"], row["blocked_s"] = opt.update_s - update0, opt.blocked_s - blocked0
             row["update_phase_s"] = {k: v - phases0.get(k, 0.0)
                                      for k, v in opt.update_phase_s.items()}
+            # host memory read and written per parameter, by pass (the emulated device's
+            # memory is not host memory: its crossings count their host side)
+            params = sum(lay.numel for lay in opt.layouts.values())
+            row["host_bytes_per_param"] = {k: (v - traffic0[k]) / params
+                                           for k, v in traffic.items()}
             rows.append(row)
         if trace and recorded is not None:
             with open(trace, "w") as f:
@@ -239,6 +246,9 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             "emulated_link_GBps": link / 1e9 if emulate and link else None, "steps": rows,
             "cpu_s_per_step": statistics.median(r["cpu_s"] for r in rows),
             "update_s_per_step": statistics.median(r["update_s"] for r in rows),
+            "host_bytes_per_param_step": {k: statistics.median(r["host_bytes_per_param"][k]
+                                                               for r in rows)
+                                          for k in rows[0]["host_bytes_per_param"]},
             "roofline_over_measured": statistics.median(ratios),
             "bound_over_measured": statistics.median(bounds),
             "vs_megatron_full_recompute": statistics.median(full) if emulate else None,
@@ -426,6 +436,10 @@ def main(argv=None) -> int:
               f"Megatron on the emulated device / measured (tokens/s ours / Megatron's): "
               f"full recompute {out['vs_megatron_full_recompute']:.3f}, no recompute "
               f"{out['vs_megatron_no_recompute']:.3f}")
+    for out in results["runs"]:
+        per = out["host_bytes_per_param_step"]
+        print(f"M={out['micro_batches']}: host memory {sum(per.values()):.1f} B per parameter "
+              "per step (" + ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v) + ")")
     for out in results["runs"]:
         print(f"M={out['micro_batches']}: roofline / measured (median) "
               f"{out['roofline_over_measured']:.3f}")

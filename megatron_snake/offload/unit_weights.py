@@ -46,6 +46,7 @@ class OffloadedUnits(UnitStore):
         self.dp = optimizer.dp
         self.optimizer = optimizer
         optimizer.on_weights = self.publish
+        optimizer.weights_sink = self.weights_sink
         self._grad_views: dict[int, torch.Tensor] = {}
         self._grads: dict = {}        # layout key -> fp32 device buffer, while accumulating
         # What a gradient buffer starts at: 0. tools/bench_overlap.py's emulated device
@@ -188,6 +189,25 @@ class OffloadedUnits(UnitStore):
             self.store.put_converted(record, master, self.dtype, tier=tier, kind="weights")
         if key == SHARED:   # read again before its next use (kept apart: once renamed)
             self._shared_stale = True
+
+    def weights_sink(self, key, part: str, numel: int, soon: bool = False, name: str = "w"):
+        """The optimizer's other way to publish: the new record ``(name, key, part)`` of
+        ``numel`` working weights lent to be written (``TensorStore.borrow_new``: 1-D pieces
+        of the store's host buffers when it has room) and the call that stores it where
+        ``publish`` would (``give_back``), so the update's kernel writes each new weight
+        once, into the buffer the device or the drive reads. None where ``publish`` must
+        make them: fp32 weights (the master itself), the shared layout (its resident
+        parameters take them) and a speculative record of a device unit (kept in host
+        memory). A unit read next whose weights live on the drive stays in host memory when
+        the pool has room now, as ``publish`` keeps it, else goes to the drive."""
+        record, tier = (name, key, part), self.tier_of(key)
+        if self.dtype == torch.float32 or key == SHARED or name != "w" and tier == "gpu":
+            return None
+        pieces = self.store.borrow_new(record, (numel,), self.dtype, kind="weights", tier=tier,
+                                       keep_free=self.host_keep_free)
+        if soon and tier == "nvme" and self.store.lent_in_buffers(record):
+            tier = "host"   # read next: kept where it was written, until the read evicts it
+        return pieces, lambda: self.store.give_back(record, tier=tier)
 
     def _refresh_shared(self, reads=None) -> None:
         """Updated shared weights into their resident parameters (a collective when data

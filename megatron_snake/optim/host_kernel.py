@@ -98,6 +98,21 @@ class Segment:
         return self.master.numel()
 
 
+def stream_bytes(segments: list[Segment], scaled: bool = False) -> int:
+    """Bytes of memory one call's streams hold: every input read once and every output
+    written once (an in-place state both), the inputs twice where a scaled state makes the
+    call run twice (its min and max first). The native kernel touches exactly these; torch's
+    passes (the fallback) touch some again, which this does not count."""
+    def nbytes(t):
+        return t.numel() * t.element_size() if t is not None else 0
+    reads = writes = 0
+    for s in segments:
+        reads += sum(nbytes(t) for t in (s.grad, s.master, s.exp_avg, s.exp_avg_sq, s.weights))
+        writes += sum(nbytes(t) for t in (s.master_out, s.exp_avg_out, s.exp_avg_sq_out,
+                                          s.weights_out))
+    return reads * (2 if scaled else 1) + writes
+
+
 def lanes() -> int:
     """torch's float lanes on this machine (its fused AdamW's Vec::size())."""
     return CAPABILITIES.get(torch.backends.cpu.get_cpu_capability(), (8, False))[0]

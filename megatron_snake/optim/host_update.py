@@ -54,8 +54,9 @@ class HostUpdate:
     ``threads`` CPU threads (the native kernel's own)."""
 
     def __init__(self, states: PartStates, *, beta1: float, beta2: float, eps: float,
-                 threads: int = 1):
+                 threads: int = 1, traffic=None):
         self.states, self.precision = states, states.precision
+        self.traffic = traffic   # the store's HostTraffic: the host bytes it reads and writes
         self.beta1, self.beta2, self.eps, self.threads = beta1, beta2, eps, threads
         # how bf16 working weights are rounded from fp32 masters: "even", torch's cast (as
         # Megatron copies its masters into bf16 parameters); under remainders always "te",
@@ -101,6 +102,8 @@ class HostUpdate:
                 weight_decay=hyper.weight_decay, step=hyper.step, clip=clip_coef,
                 scales=scales, weights_rounding="te" if remainders else self.weights_rounding,
                 threads=self.threads)
+        if self.traffic is not None:
+            self.traffic.add("update", host_kernel.stream_bytes(segments, bool(scaled)))
         for name, values in new.items():
             self.states.set_scales(name, key, part, values, bool(out))
         phase("adamw", t)

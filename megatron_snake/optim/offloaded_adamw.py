@@ -42,6 +42,7 @@ from megatron_snake.optim.parts import PARTS, PartStates, check_alpha, next_key
 from megatron_snake.optim.precision import Precision, split_flat
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.optim.update_worker import UpdateWorker
+from megatron_snake.storage.copies import per_parameter_step
 
 
 def check_device_optimizer_share(value: str, precision_aware: bool = False) -> str:
@@ -132,6 +133,10 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self.on_weights = on_weights
         self.param_groups = megatron_param_groups(lr, weight_decay)
         self.iteration = 0           # completed steps
+        # the store's host traffic at the end of the first step, and step boundaries since:
+        # the whole-run summary's bytes per parameter per step, warm-up left out
+        self._traffic_since: dict | None = None
+        self._traffic_steps = 0
         self._hyper: StepHyper | None = None
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm
         self._clip_coef: torch.Tensor | None = None
@@ -157,9 +162,11 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._device_gradients: list = []  # puts of the last gradient still on the device
         threads = check_optimizer_threads(threads)
         self.host_update = HostUpdate(self.states, beta1=beta1, beta2=beta2, eps=eps,
-                                      threads=threads)
+                                      threads=threads, traffic=store.copies.traffic)
+        self.weights_sink = None   # OffloadedUnits.weights_sink, with on_weights
         self.updates = UpdateWorker(store, self.host_update, tier_of=self.tier_of,
-                                    threads=threads, publish=self._publish)
+                                    threads=threads, publish=self._publish,
+                                    weights_sink=self._weights_sink)
         previous: list = []
         for key, lay in self.layouts.items():
             master = initial.flat(lay, dtype=torch.float32) if initial is not None else \
@@ -254,7 +261,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         if self.speculate:
             line += (f"; speculative updates {c['speculated']} parts, {c['misses']} of them "
                      "updated again (the clip bound, or an fp16 step was skipped)")
-        return line
+        return line + f"\n> host memory traffic (whole run): {self.host_traffic()}"
 
     def _publish(self, key, part: str, weights: list, lent: dict, soon: bool,
                  name: str) -> None:
@@ -266,6 +273,12 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         elif self.precision.remainders:   # the masters' high halves: the optimizer's records
             self.store.put_converted((name, key, part), weights, self.precision.params,
                                      tier=self.tier_of(key), kind="weights")
+
+    def _weights_sink(self, key, part: str, numel: int, soon: bool, name: str):
+        """The worker's ``weights_sink``: ``on_weights``' owner's, when it has one."""
+        if self.weights_sink is None:
+            return None
+        return self.weights_sink(key, part, numel, soon=soon, name=name)
 
     # --- backward sweep ----------------------------------------------------------------
     def gradient_ready(self, key, grad: torch.Tensor) -> None:
@@ -414,6 +427,7 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
                 self._drop_read_ahead()   # before the weights are made again from that state
                 self._discard_speculation(speculated, skipped=True)
                 self._last_step_kept = False
+                self._count_traffic()
                 return False, None, None
         # The 2-norm of the per-parameter norms, in parameter order, in fp32 (Megatron's
         # formula; on the CPU the same arithmetic as torch.nn.utils.clip_grad_norm_, on a
@@ -442,7 +456,24 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self.iteration += 1
         self._hyper, self._norms = None, {}
         self._stop_read_ahead()
+        self._count_traffic()
         return True, total.item(), None
+
+    def _count_traffic(self) -> None:
+        if self._traffic_since is None:
+            self._traffic_since = self.store.copies.traffic.snapshot()
+        else:
+            self._traffic_steps += 1
+
+    def host_traffic(self) -> str:
+        """Host memory read and written per parameter of this rank per step, by pass, over
+        the steps after the first (``storage.copies.HostTraffic``)."""
+        if self._traffic_since is None:
+            return "no step"
+        now = self.store.copies.traffic.snapshot()
+        return per_parameter_step({k: now[k] - self._traffic_since[k] for k in now},
+                                  sum(lay.numel for lay in self.layouts.values()),
+                                  self._traffic_steps)
 
     def _commit_speculation(self, speculated: dict) -> None:
         """The state the speculative updates wrote out of place becomes the parts' state;

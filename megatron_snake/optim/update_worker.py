@@ -36,10 +36,14 @@ class UpdateWorker:
     only during the call) for the record ``(name, key, part)``, before its state is given
     back."""
 
-    def __init__(self, store, host_update, *, tier_of, threads: int, publish):
+    def __init__(self, store, host_update, *, tier_of, threads: int, publish,
+                 weights_sink=None):
         self.store, self.host_update, self.tier_of = store, host_update, tier_of
         self.remainders = host_update.precision.remainders
         self.publish = publish
+        # weights_sink(key, part, numel, soon, name): the new weights record's pieces for
+        # the kernel to write into, and the call that stores them; None: ``publish``
+        self.weights_sink = weights_sink
         self.threads = threads
         self.executor = budgeted_worker(threads, "snake-adamw")
         self._lock = threading.Lock()
@@ -176,12 +180,31 @@ class UpdateWorker:
         t0 = time.perf_counter()
         lent = {name: h.wait() for name, h in reads.items()}
         self._phase("read", t0)
-        weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase)
+        sink = self._sink(key, part, lent, soon, "w")
+        try:
+            weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
+                                           weights_out=sink and sink[0])
+        except BaseException:
+            if sink:   # half written: no reader may take it
+                self.store.delete(("w", key, part))
+            raise
         t = time.perf_counter()
         self.store.delete(("grad", key, part))   # its host buffers are free now
-        self.publish(key, part, weights, lent, soon, "w")   # before the master is given back
+        # before the master is given back
+        sink[1]() if sink else self.publish(key, part, weights, lent, soon, "w")
         self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
+
+    def _sink(self, key, part: str, lent: dict, soon: bool, name: str):
+        """The new working weights' record lent for the kernel to write them straight into
+        (the store's host buffers when it has room: no converted copy, no second pass), or
+        None: an update on the device, remainders (the weights are the optimizer's records,
+        changed in place), or where ``weights_sink`` declines."""
+        master = lent["master"]
+        if self.weights_sink is None or self.remainders or not master or \
+                master[0].device.type != "cpu":
+            return None
+        return self.weights_sink(key, part, sum(p.numel() for p in master), soon, name)
 
     def _speculate(self, key, part: str, hyper, reads: dict) -> None:
         """The update without a clip, out of place: the new state into next records, the
@@ -195,9 +218,17 @@ class UpdateWorker:
                                            lent[name][0].dtype, kind="optim",
                                            tier=self.tier_of(key))
                for name in STATES}
-        weights = self.host_update.run(key, part, hyper, None, lent, self._phase, out=out)
+        name = "w.next" if self.remainders else "w"
+        sink = self._sink(key, part, lent, False, name)
+        try:
+            weights = self.host_update.run(key, part, hyper, None, lent, self._phase, out=out,
+                                           weights_out=sink and sink[0])
+        except BaseException:
+            if sink:
+                self.store.delete((name, key, part))
+            raise
         t = time.perf_counter()
-        self.publish(key, part, weights, out, False, "w.next" if self.remainders else "w")
+        sink[1]() if sink else self.publish(key, part, weights, out, False, name)
         self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
 

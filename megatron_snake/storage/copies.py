@@ -10,10 +10,15 @@ plain copies. The emulated device of tools/bench_overlap.py is another strategy 
 this one (``emulated_device.EmulatedCopies``): its events are points on its clock and its
 copies go over its host link.
 
+``HostTraffic`` counts the bytes of host memory the run's passes read and write (the
+strategy's copies, the drive's I/O and checksums, the optimizer's update), the figure
+docs/overlap.md's "Each byte once" sets a minimum for.
+
 The rest are the bit-exact copy helpers the tiers share.
 """
 
 import contextlib
+import threading
 
 import torch
 
@@ -134,6 +139,51 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+class HostTraffic:
+    """Bytes of host memory read and written, by pass: ``update`` (the optimizer's kernel:
+    each stream it reads or writes), ``copy`` (a copy within host memory: both sides),
+    ``crossing`` (a copy between host memory and the device: the host side; on a machine
+    without a GPU or an emulated device, the device's memory is host memory and its copies
+    are ``copy``), ``drive`` (the drive's DMA into and out of the host buffers) and
+    ``checksum`` (the drive records' checksums, written and verified)."""
+
+    PASSES = ("update", "copy", "crossing", "drive", "checksum")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = dict.fromkeys(self.PASSES, 0)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[kind] += int(nbytes)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.bytes)
+
+    def pairs(self, pairs, device_dst: bool = False, device_src: bool = False) -> None:
+        """Count a copy of ``pairs`` (dst, src): a side is host memory unless it is a GPU
+        tensor or the caller says it is the device's (an emulated device's tensors)."""
+        for dst, src in pairs:
+            dst_host = not (dst.is_cuda or device_dst)
+            src_host = not (src.is_cuda or device_src)
+            if not (dst_host or src_host):
+                continue
+            nbytes = (dst.numel() * dst.element_size() if dst_host else 0) + \
+                (src.numel() * src.element_size() if src_host else 0)
+            self.add("copy" if dst_host and src_host else "crossing", nbytes)
+
+
+def per_parameter_step(traffic: dict, params: int, steps: int) -> str:
+    """``traffic`` (a HostTraffic snapshot or the difference of two) in bytes per parameter
+    per step, the total first, then each pass that moved any."""
+    if not params or not steps:
+        return "no step"
+    per = {k: v / params / steps for k, v in traffic.items()}
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v)
+    return f"{sum(per.values()):.1f} B per parameter per step ({parts or 'none'})"
+
+
 class Copies:
     """A real device's copies (see the module's docstring). ``direction`` names a copy
     stream: ``"h2d"`` (into the device), ``"d2h"`` (out of it), or None (the current one;
@@ -147,6 +197,7 @@ class Copies:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
         self._streams = {"h2d": self.h2d, "d2h": self.d2h, None: None}
+        self.traffic = HostTraffic()
 
     # ---------------------------------------------------------------- the caller's thread
 
@@ -182,6 +233,7 @@ class Copies:
 
     def copy(self, pairs, direction=None) -> None:
         """dst <- src for ``pairs`` on the copy stream of ``direction``, done on return."""
+        self.traffic.pairs(pairs)
         copy_pairs(self._streams[direction], pairs)
 
     def run(self, fn, direction):
@@ -197,6 +249,8 @@ class Copies:
         ``device_side`` (here as any other: the copy stream of ``direction``). ``span``: the
         timeline's name for the copy when this machine makes it."""
         stream = self._streams[direction]
+        self.traffic.pairs(pairs, device_dst=device_side and direction == "h2d",
+                           device_src=device_side and direction == "d2h")
         if span is None:
             copy_pairs(stream, pairs)
             return

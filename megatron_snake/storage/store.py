@@ -256,6 +256,8 @@ class TensorStore:
             else:
                 pin = tier == "gpu" and self.device.type == "cuda"
                 flat = torch.empty(numel, dtype=dtype, pin_memory=pin)
+                self.copies.traffic.add("copy", numel * flat.element_size() + sum(
+                    piece.numel() * piece.element_size() for piece in pieces))
             copy_concatenation([flat], pieces)
             return self.put(key, flat, tier=tier, kind=kind, spill=spill, keep_free=keep_free)
         stored = _Done()
@@ -415,9 +417,20 @@ class TensorStore:
                 self._forget(old)
         if bufs is not None:
             return self._host.payloads(e)
-        flat = torch.empty(nbytes // size if size else 0, dtype=dtype)
+        # pinned where it goes to a GPU, as put_converted's copy: a DMA, not the driver's
+        # bounce buffer
+        flat = torch.empty(nbytes // size if size else 0, dtype=dtype,
+                           pin_memory=tier == "gpu" and self.device.type == "cuda")
         e.lent_copy = flat
         return [flat[a // size:b // size] for _, a, b in self._host.segments(nbytes)]
+
+    def lent_in_buffers(self, key) -> bool:
+        """Whether ``borrow_new(key)`` lent host buffers of the pool (else a tensor)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or not e.lent:
+                raise RuntimeError(f"lent_in_buffers({key!r}): the key is not lent")
+            return e.lent_copy is None
 
     def end_loan(self, key):
         """End ``borrow(key)``'s loan of a value the caller did not change: its copies stay
@@ -791,7 +804,12 @@ class TensorStore:
                 self._drive.write_from_host(e)
                 self._host.drop(e)
             return
-        if copy is None:                 # lent in place, stored on the device (or empty)
+        if copy is None and e.nbytes:
+            # lent in place, stored on the device: copied there from the host buffers
+            self._gpu.write_pieces(e, self._host.payloads(e))
+            self._host.drop(e)
+            return
+        if copy is None:                 # empty
             copy = self._host.copy_out(e)
         self._free_entry(e)
         self._put(e, None, None, copy.view(e.dtype).view(e.shape), target, None, None)

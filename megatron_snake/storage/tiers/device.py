@@ -22,6 +22,9 @@ class DeviceTier(Tier):
 
     def write(self, rec, src, from_device=False, room=None) -> bool:
         if src.is_cuda or self.device.type == "cuda":
+            if not src.is_cuda:
+                self.copies.traffic.add("crossing", src.numel() * src.element_size())
+
             def copy():
                 out = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
                 bitcopy(out, src, non_blocking=True)
@@ -35,6 +38,18 @@ class DeviceTier(Tier):
         rec.gpu = copy
         self.counters.add("gpu", nwritten=rec.nbytes, kind=rec.kind)
         return True
+
+    def write_pieces(self, rec, pieces) -> None:
+        """Write the record from the 1-D host tensors ``pieces`` (its host buffers'
+        payloads), each into its place on the device."""
+        out = self.copies.empty(rec.shape, rec.dtype)   # made on the copy stream it is for
+        flat, pairs, at = out.view(-1), [], 0
+        for piece in pieces:
+            pairs.append((flat[at:at + piece.numel()], piece))
+            at += piece.numel()
+        self.copies.across(pairs, "h2d", device_side=True)
+        rec.gpu = out
+        self.counters.add("gpu", nwritten=rec.nbytes, kind=rec.kind)
 
     def write_empty(self, rec, src) -> None:
         self.write(rec, src)           # an empty tensor of the record's shape

@@ -194,6 +194,7 @@ class DriveTier(Tier):
                     d, f, off, length = self._place(rec.kind, REC_HEADER_BYTES + n)
                     extents.append((d, off, length))
                     req = d.engine.write(f.fd, f.path, buf.addr, length, off)
+                    self.copies.traffic.add("drive", length)
                     self.counters.inflight(+1)
                     pending.append((req, loose))
                     loose = None
@@ -212,6 +213,7 @@ class DriveTier(Tier):
 
     def _seal(self, rec, buf, seg, n):
         crc = self.checksum(buf.addr + REC_HEADER_BYTES, n)
+        self.copies.traffic.add("checksum", n)
         write_record_header(buf.addr, self.run_id, rec.khash, rec.seq, seg, n, crc)
 
     def _staging(self, pending):
@@ -286,6 +288,7 @@ class DriveTier(Tier):
                     target = hbuf if hbuf is not None else buf
                     verify_record(target.addr, self.run_id, rec.khash, rec.seq, seg, b - a,
                                   self.checksum, rec.key, f.path)
+                    self.copies.traffic.add("checksum", b - a)
                     if hbuf is None:
                         self.copies.across([(dst_bytes[a:b], payload(buf, b - a))], "h2d",
                                            to_device)
@@ -310,6 +313,7 @@ class DriveTier(Tier):
                                 buf = self.pool.acquire(1)[0]
                     try:
                         req = d.engine.read(f.fd, f.path, (hbuf or buf).addr, length, off)
+                        self.copies.traffic.add("drive", length)
                     except BaseException:
                         if buf is not None:
                             self.pool.release([buf])

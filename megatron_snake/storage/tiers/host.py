@@ -118,6 +118,8 @@ class HostTier(Tier):
     def convert_into(self, bufs, pieces, dtype, nbytes: int, kind: str) -> None:
         """Fill ``bufs`` with the concatenation of the 1-D CPU tensors ``pieces``, converted
         to ``dtype`` as it is copied (no converted copy first)."""
+        self.copies.traffic.add("copy", nbytes + sum(p.numel() * p.element_size()
+                                                     for p in pieces))
         with timeline.span(f"host write {kind}", "host copy", bytes=nbytes):
             copy_concatenation([payload(buf, b - a).view(dtype)
                                 for buf, (_, a, b) in zip(bufs, self.segments(nbytes))],
