@@ -207,8 +207,12 @@ def test_the_pool_default_scales_down_for_a_small_model():
            "rank's state" in small.summary()
     given = preflight.estimate(parse_args(["--snake-offload", "--snake-host-memory-limit",
                                            "1GiB"]), VOCAB)
-    assert given.pool_bytes == 1 << 30
-    assert "the pool is given by --snake-host-memory-limit" in given.summary()
+    # the flag bounds the pool and what the run holds outside it
+    assert given.pool_bytes == (((1 << 30) - given.optimizer_update - given.partial_gradients)
+                                // DEFAULT_BUFFER_BYTES * DEFAULT_BUFFER_BYTES)
+    assert given.host_limit == 1 << 30
+    assert "the pool is what --snake-host-memory-limit 1.00 GiB leaves after what the run " \
+           "holds outside the pool" in given.summary()
     large = preflight.estimate(parse_args(["--snake-offload", "--num-layers", "48",
                                            "--hidden-size", "512",
                                            "--num-attention-heads", "8"]), VOCAB)

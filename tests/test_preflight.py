@@ -408,7 +408,7 @@ def test_each_tier_that_does_not_fit_is_named(megatron_world, tmp_path, monkeypa
     monkeypatch.setattr(directory, "disk_free_bytes", lambda path: 1 << 20)
     args = _args("--snake-offload", "--snake-offload-dir", str(tmp_path),
                  "--snake-gpu-memory-limit", "100KiB", "--snake-param-tier", "host",
-                 "--snake-host-memory-limit", "16MiB")
+                 "--snake-host-memory-limit", "24MiB")
     with pytest.raises(ValueError) as exc:
         pretrain(args)
     lines = str(exc.value).split("; --")   # one line: the three refusals, each its flag
@@ -422,9 +422,11 @@ def test_each_tier_that_does_not_fit_is_named(megatron_world, tmp_path, monkeypa
 
 
 def test_dry_run_prints_the_estimate_and_builds_nothing(megatron_world, tmp_path, capfd,
-                                                        no_model):
+                                                        no_model, monkeypatch):
     from megatron_snake.training.loop import pretrain
 
+    # the process's resident memory, which the host line starts from, held still
+    monkeypatch.setattr(preflight, "resident_bytes", lambda: 400 << 20)
     args = _args("--snake-offload", "--snake-dry-run", "--snake-offload-dir", str(tmp_path),
                  "--untie-embeddings-and-output-weights")
     assert pretrain(args) == []

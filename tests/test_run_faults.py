@@ -7,6 +7,7 @@ have their own modules; docs/reliability.md lists them all.)"""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -113,9 +114,34 @@ def test_host_tiers_larger_than_the_limit_are_refused_at_start(megatron_world, t
     with pytest.raises(HostMemoryError) as exc:
         pretrain(args)
     message = str(exc.value)
-    assert "--snake-host-memory-limit 64.0 MiB holds 8 host buffers" in message, message
+    # the pool: what the limit leaves after the optimizer's update outside it
+    assert re.search(r"--snake-host-memory-limit 64\.0 MiB holds [78] host buffers", message), \
+        message
     assert "raise --snake-host-memory-limit to at least" in message, message
     assert "iteration" not in capfd.readouterr().out
+
+
+def test_a_host_limit_below_what_lives_outside_the_pool_is_one_line(megatron_world, tmp_path):
+    """--snake-host-memory-limit bounds the pool and what the run holds outside it (the
+    optimizer update's copies): a limit that leaves the pool fewer than its 2 buffers is
+    refused at the pre-flight in one line naming the flag and the least value (the flag
+    bounded the pool alone, and 16MiB ran with the update on top), and that value runs."""
+    from megatron_snake.errors import UserError
+    from megatron_snake.training.arguments import parse_args
+    from megatron_snake.training.loop import pretrain
+
+    flags = [*SMALL, "--train-iters", "1", "--snake-offload", "--snake-offload-dir",
+             str(tmp_path)]
+    with pytest.raises(UserError) as exc:
+        pretrain(parse_args([*flags, "--snake-host-memory-limit", "16MiB"]))
+    message = str(exc.value)
+    assert "\n" not in message, message
+    least = re.search(r"^--snake-host-memory-limit 16\.0 MiB cannot hold what the run keeps "
+                      r"in host memory outside its pool, the optimizer's update .*: give at "
+                      r"least --snake-host-memory-limit (\d+MiB)", message)
+    assert least, message
+    assert not os.path.exists(tmp_path / "rank0"), "refused before the store was made"
+    assert len(pretrain(parse_args([*flags, "--snake-host-memory-limit", least.group(1)]))) == 1
 
 
 def test_capacity_check_counts_checkpoints_saved_to_the_same_drive(megatron_world, tmp_path,

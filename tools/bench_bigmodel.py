@@ -6,8 +6,9 @@ whose NVMe plan, plus the initial weights held while the state is built, fit in
 ``--drive-fraction`` of it) unless ``--layers`` is given. The run is pretrain_gpt's own
 (``training.build.build_run``, ``Run.step``) on random tokens, in this process, timed:
 build, then each step. Per step it prints the time and the bytes read and written per
-tier; at the end the raw figures go to ``--json-out`` and the last line is
-**training state bytes / peak RSS** (the OS's VmHWM of this process). The state counted is
+tier; at the end the raw figures go to ``--json-out``, with the pre-flight's figure for
+the process's host memory beside the peak RSS it reached (the OS's VmHWM of this
+process), and the last line is **training state bytes / peak RSS**. The state counted is
 what the run keeps: working weights, fp32 gradients, fp32 master weights and two moments.
 
     python tools/bench_bigmodel.py --dir /nvme/bench --json-out bench_out/bigmodel.json
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_snake.training import distributed  # noqa: E402
+from megatron_snake.training import distributed, preflight  # noqa: E402
 from megatron_snake.training.arguments import parse_args  # noqa: E402
 from megatron_snake.schedule.loss import report_losses  # noqa: E402
 from megatron_snake.training.build import build_run  # noqa: E402
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     args = parse_args(flags(a, layers, root))
     device = torch.device("cpu")
     distributed.initialize(device=device, seed=args.seed)
+    # as pretrain: the pre-flight sizes the pool to what --snake-host-memory-limit leaves
+    # and predicts the process's peak
+    predicted = preflight.run(args, a.vocab, log=lambda line: print(line, flush=True))
     t0 = time.perf_counter()
     steps = []
     with build_run(args, device, a.vocab, log=lambda line: print(line, flush=True)) as run:
@@ -122,7 +126,10 @@ def main(argv=None) -> int:
                           os.sysconf("SC_PHYS_PAGES"), "drive_free_bytes_at_start": free},
               "args": vars(a), "layers": layers, "params": params, "state_bytes": state,
               "build_s": build_s, "peak_rss_after_build_bytes": rss_after_build,
-              "peak_rss_bytes": peak, "offload_disk_bytes_at_end": disk_used, "steps": steps,
+              "peak_rss_bytes": peak, "preflight_host_bytes": predicted.host_bytes,
+              "preflight_base_rss_bytes": predicted.base_rss,
+              "preflight_host_limit_bytes": predicted.host_limit,
+              "offload_disk_bytes_at_end": disk_used, "steps": steps,
               "ratio_state_over_peak_rss": state / peak}
     os.makedirs(os.path.dirname(os.path.abspath(a.json_out)), exist_ok=True)
     with open(a.json_out, "w") as f:
@@ -130,6 +137,9 @@ def main(argv=None) -> int:
     print(f"{params / 1e9:.2f}B parameters, {layers} layers x hidden {a.hidden}: training state "
           f"{state / 2**30:.1f} GiB, RAM {report['machine']['ram_bytes'] / 2**30:.1f} GiB, "
           f"peak RSS {peak / 2**30:.2f} GiB")
+    print(f"host memory: the pre-flight predicted {predicted.host_bytes / 2**30:.2f} GiB, "
+          f"the peak RSS was {peak / 2**30:.2f} GiB "
+          f"({(peak - predicted.host_bytes) / predicted.host_bytes:+.1%})")
     print(f"ratio training state / peak RSS: {state / peak:.1f}")
     return 0
 

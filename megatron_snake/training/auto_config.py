@@ -58,6 +58,8 @@ def candidates(args) -> list[Choice]:
 
 def _fits_host_pool(args, vocab_size: int) -> bool:
     pf = preflight.estimate(args, vocab_size)
+    if preflight.short_of_pool(pf) is not None:   # the update leaves the pool no room
+        return False
     try:
         preflight.check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers,
                                     pf.buffer_bytes)

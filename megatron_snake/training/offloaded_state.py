@@ -361,18 +361,23 @@ def on_host_tier(args, tiers: StateTiers, need: HostBuffers) -> list[tuple[str, 
 
 
 def check_host_memory(args, tiers: StateTiers, need: HostBuffers, pool_buffers: int,
-                      buffer_bytes: int) -> None:
+                      buffer_bytes: int, *, limit: int | None = None, outside: int = 0) -> None:
     """Refuse at start a plan whose host tiers cannot fit ``--snake-host-memory-limit``,
-    with the total it needs, instead of a per-key error at the first step."""
+    with the total it needs, instead of a per-key error at the first step. ``limit``: the
+    flag's value, of which the run holds ``outside`` bytes outside the pool (the
+    pre-flight's; default: the pool is the whole limit)."""
     on_host = on_host_tier(args, tiers, need)
     total = sum(n for _, n in on_host) + 1   # one buffer always stays free for staging
     if total > pool_buffers:
         detail = ", ".join(f"{name} {n}" for name, n in on_host)
+        after = f" (after the {size(outside)} the run holds outside its pool)" if limit \
+            else ""
         raise HostMemoryError(
-            f"--snake-host-memory-limit {mib(args.snake_host_memory_limit)} holds "
-            f"{pool_buffers} host buffers of {mib(buffer_bytes)}, but the host tiers need "
-            f"{total} ({detail}, and 1 for staging): raise --snake-host-memory-limit to at "
-            f"least {mib(total * buffer_bytes)}, or move a part to nvme "
+            f"--snake-host-memory-limit "
+            f"{mib(args.snake_host_memory_limit if limit is None else limit)} holds "
+            f"{pool_buffers} host buffers of {mib(buffer_bytes)}{after}, but the host tiers "
+            f"need {total} ({detail}, and 1 for staging): raise --snake-host-memory-limit to "
+            f"at least {mib(total * buffer_bytes + outside)}, or move a part to nvme "
             "(--snake-param-tier / --snake-optimizer-tier / --snake-activation-tier nvme)")
 
 

@@ -21,12 +21,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_snake.errors import UserError
+from megatron_snake.optim import host_kernel
 from megatron_snake.optim.dp_shards import DataParallel
 from megatron_snake.optim.host_update import HostUpdate
 from megatron_snake.optim.parts import part_bounds
+from megatron_snake.optim.unit_params import SHARED
 from megatron_snake.optim.precision import Precision
 from megatron_snake.storage import directory
 from megatron_snake.storage.errors import CapacityError, HostMemoryError
+from megatron_snake.storage.host_heap import HEAP_RETAIN_BYTES, resident_bytes
 from megatron_snake.storage.host_pool import (DEFAULT_BUFFER_BYTES, DEFAULT_POOL_CAP_BYTES,
                                               STAGING_BUFFERS, check_host_memory_limit,
                                               default_pool_bytes)
@@ -208,7 +211,7 @@ class Preflight:
     pool_buffers: int
     buffer_bytes: int
     host_buffers: HostBuffers    # pool buffers each part would hold on the host tier
-    optimizer_update: int        # outside the pool: master, moments, gradient of a part
+    optimizer_update: int        # outside the pool: the update's loans (UpdateBytes)
     partial_gradients: int       # outside the pool: fp32 unit gradients between snake groups
     # drive
     nvme_weights: int
@@ -234,6 +237,13 @@ class Preflight:
     # store removes as it opens: counted as free (``run`` adds them to the free space)
     stale: tuple = ()
     rank: int = 0                # the global rank: its directory is rank<N>/
+    update: object = None        # UpdateBytes: what optimizer_update counts
+    # the process beyond --snake-host-memory-limit: what it holds when the pre-flight runs
+    # (torch, Megatron, the process groups), freed heap glibc may keep for reuse, and on a
+    # CPU the device's working set
+    base_rss: int = 0
+    device_is_host: bool = False
+    limit_given: int | None = None   # --snake-host-memory-limit when given
 
     @property
     def params_rank(self) -> int:
@@ -270,11 +280,24 @@ class Preflight:
 
     @property
     def host_working_set(self) -> int:
+        """What the run holds in host memory outside the pool: the update's loans and the
+        partial gradients."""
         return self.optimizer_update + self.partial_gradients
 
     @property
+    def host_limit(self) -> int:
+        """What --snake-host-memory-limit bounds (its value, or the default's): the pool
+        and what the run holds outside it."""
+        return self.limit_given or self.pool_bytes + self.host_working_set
+
+    @property
     def host_bytes(self) -> int:
-        return self.pool_bytes + self.host_working_set
+        """The process's resident memory at its peak: the base measured at the pre-flight,
+        the heap glibc may keep, the limit's, and a CPU device's working set (what comes
+        after the pre-flight besides, the datasets' indices and the activations inside a
+        unit, on top). Within 15% of the OS's peak RSS (``tests/test_bigger_than_memory``)."""
+        return self.base_rss + HEAP_RETAIN_BYTES + self.host_limit + \
+            (self.device_bytes if self.device_is_host else 0)
 
     @property
     def checkpoints_on_drive(self) -> bool:
@@ -345,7 +368,8 @@ class Preflight:
         if self.device_unit_inputs:
             pinned += f"; the step's unit inputs {size(self.device_unit_inputs)}" + \
                 (" at most (auto)" if self.unit_input_tier == "auto" else "")
-        outside = f"the optimizer's update {size(self.optimizer_update)}"
+        outside = self.update.describe() if self.update is not None else \
+            f"the optimizer's update {size(self.optimizer_update)}"
         if self.partial_gradients:
             outside += f", partial gradients of the snake groups {size(self.partial_gradients)}"
         frees = frees or [None] * len(self.offload_paths)
@@ -360,11 +384,16 @@ class Preflight:
             f"{working_set_parts(self.counts.shared > 0)}; the next unit "
             f"prefetched {size(self.prefetch)}{pinned}); activations inside a unit come on "
             "top",
-            f"> pre-flight host: {size(self.host_bytes)} (pool {size(self.pool_bytes)}: "
-            f"{self.pool_buffers} buffers of {mib(self.buffer_bytes)}, the host tiers hold "
-            f"{self.host_buffers_used} ("
+            f"> pre-flight host: {size(self.host_bytes)} for the process: "
+            f"{size(self.base_rss)} resident now, {size(HEAP_RETAIN_BYTES)} of freed heap "
+            f"kept for reuse, the host limit {size(self.host_limit)} (pool "
+            f"{size(self.pool_bytes)}: {self.pool_buffers} buffers of "
+            f"{mib(self.buffer_bytes)}, the host tiers hold {self.host_buffers_used} ("
             + ", ".join([f"{name} {n}" for name, n in self._on_host()] + ["1 for staging"])
-            + f"); outside the pool: {outside}); the pool is {self.pool_why}",
+            + f"); outside the pool: {outside})"
+            + (f", the device's {size(self.device_bytes)} (the CPU's memory)"
+               if self.device_is_host else "")
+            + f"; the pool is {self.pool_why}",
             *([self.precision.summary()] if self.precision != Precision(
                 params=self.precision.params) else []),
             self.speculation_line,
@@ -467,9 +496,10 @@ def drive_free_bytes(path: str) -> int | None:
 
 
 def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0,
-             rank: int = 0) -> Preflight:
+             rank: int = 0, base_rss: int | None = None) -> Preflight:
     """This rank's pre-flight from validated flags (``--snake-offload``) and the padded
-    vocabulary: arithmetic only, plus a stat of the offload directory for ``--save``."""
+    vocabulary: arithmetic only, plus a stat of the offload directory for ``--save`` and
+    this process's resident memory now (``base_rss``: given instead)."""
     counts = gpt_parameter_counts(args, vocab_size, tp_rank=tp_rank, pp_rank=pp_rank)
     params = _UnitParams(tuple(_Layout(n) for n in counts.units), _Layout(counts.shared))
     dp = DataParallel(dp_rank, args.data_parallel_size)
@@ -478,18 +508,30 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     device = plan_device(args, params, dp.size)
     pinned = list(device.pinned)
     need = host_buffers_needed(args, params, dp, pinned, host_buffers_for, device.share)
+    precision = Precision.from_args(args)
+    groups = args.num_microbatches // (1 if args.snake_schedule == "horizontal"
+                                       else args.snake_group_size or args.num_microbatches)
+    # outside the pool: the update's loans (a part's state and gradient as copies, the
+    # next part's read ahead) and the snake groups' partial gradients
+    update = UpdateBytes.of(args, precision, params, dp, device.share)
+    partial = 4 * sum(counts.units) if groups > 1 else 0
     pool_bytes, pool_why = args.snake_host_memory_limit, "given by --snake-host-memory-limit"
     if getattr(args, "snake_host_pool_default", False):   # the flag was not given
         kept = plan_speculation(args, backward_parts(args, params, dp, device.share), "host",
                                 host_buffers_for).host_buffers \
             if args.snake_optimizer_tier == "host" else 0
         pool_bytes, pool_why = host_pool_default(args, need, kept=kept)
+    else:   # the flag bounds all of it: the pool is what the rest leaves
+        limit = given_host_limit(args)
+        # (a pool too small is refused by check, with the other tiers: short_of_pool)
+        pool_bytes = max(pool_left(limit, update, partial), 2 * DEFAULT_BUFFER_BYTES)
+        pool_why = (f"what --snake-host-memory-limit {size(limit)} leaves after what the "
+                    "run holds outside the pool")
     pool_buffers = check_host_memory_limit(pool_bytes, DEFAULT_BUFFER_BYTES)
     tiers = resolve_state_tiers(args, need, pool_buffers)
     numel = -(-counts.total // dp.size)
     ckpt = checkpoint_bytes_per_step(args)
     paths = offload_paths(args, rank)
-    precision = Precision.from_args(args)
     off_device = numel - sum(-(-counts.units[u] // dp.size) for u in device.share)
     planned = nvme_bytes(args, tiers, numel * elem,
                          optimizer_bytes_per_param(args) * off_device)
@@ -505,10 +547,6 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
     fp32 = fp32_at_build(args, pp_rank=pp_rank)
     pf_parts["nvme_initial"] = (counts.total - fp32) * elem + fp32 * 4
     parts = [part_bounds(lay, args.snake_alpha, dp) for lay in params.units]
-    groups = args.num_microbatches // (1 if args.snake_schedule == "horizontal"
-                                       else args.snake_group_size or args.num_microbatches)
-    largest_part = max((hi - lo for lay in params.units + (params.shared,)
-                        for lo, hi in part_bounds(lay, args.snake_alpha, dp)), default=0)
     speculation = plan_speculation(
         args, backward_parts(args, params, dp, device.share), tiers.optimizer,
         host_buffers_for,
@@ -525,8 +563,11 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         device_unit_inputs=ckpt if args.snake_activation_tier in ("device", "auto") else 0,
         pool_bytes=pool_bytes, pool_buffers=pool_buffers, pool_why=pool_why,
         buffer_bytes=DEFAULT_BUFFER_BYTES, host_buffers=need,
-        optimizer_update=update_bytes(precision, largest_part),
-        partial_gradients=4 * sum(counts.units) if groups > 1 else 0,
+        optimizer_update=update.nbytes, update=update, partial_gradients=partial,
+        base_rss=resident_bytes() if base_rss is None else base_rss,
+        device_is_host=_device_is_host(args),
+        limit_given=None if getattr(args, "snake_host_pool_default", False)
+        else given_host_limit(args),
         **pf_parts,
         checkpoints=checkpoint_bytes_planned(args, counts.total * elem,
                                              precision.checkpoint_bytes * numel)
@@ -537,17 +578,109 @@ def estimate(args, vocab_size: int, *, tp_rank: int = 0, pp_rank: int = 0, dp_ra
         precision=precision, speculation=speculation, device_plan=device, rank=rank)
 
 
-def update_bytes(precision: Precision, elements: int) -> int:
-    """Host memory one part's update holds outside the pool at most (its records lent as
-    copies when they are not in host memory): master weights, moments and gradient in
-    their dtypes (16 B per element in fp32); with the chunked update, the working weights
-    it reads or makes and its fp32 scratch buffers."""
-    if precision.fp32:
-        return 16 * elements
-    per = precision.state_bytes + precision.grad_bytes
-    if precision.master != torch.float32:   # remainders read it, an fp16 master makes it
-        per += torch.tensor([], dtype=precision.params).element_size()
-    return per * elements + HostUpdate.scratch_bytes()
+@dataclass(frozen=True)
+class UpdateBytes:
+    """Host memory the optimizer's update holds outside the pool at most, as it works
+    today (``optim/update_worker.py``). A part's update borrows its master weights, moments
+    and gradient (and, under remainders, its working weights) as copies when the pool has
+    no room for them (``loans`` bytes per element), writes a speculative update's new state
+    into copies of its own and publishes its new working weights as a converted copy
+    (``running`` on top); as it starts, the loans of the part submitted after it are read.
+    So: the most any part in the order of a step's updates (the backward sweep's parts,
+    units U-1 to 0, then the forward sweep's, 0 to U-1) holds with the next one's loans,
+    and the torch path's fp32 scratch (the native kernel's update has none). The units
+    of the device share are updated on the device, on loans there.
+    ``tools/bench_update_memory.py`` measures it against the OS's RSS."""
+
+    largest: int = 0         # elements of the part at that most
+    next: int = 0            # of the part read ahead meanwhile
+    where: str = ""          # the layout of the first, in words
+    loans: int = 0           # bytes per element a part's loans take
+    running: int = 0         # bytes per element of a running part on top of its loans
+    scratch: int = 0
+
+    @classmethod
+    def of(cls, args, precision: Precision, params, dp: DataParallel,
+           share=()) -> "UpdateBytes":
+        owned = [[] if u in share else [(u, lay)] for u, lay in enumerate(params.units)]
+        if params.shared.numel and owned:   # updated with the first unit that reads it
+            owned[0].append((SHARED, params.shared))
+        bounds = [[(key, part_bounds(lay, args.snake_alpha, dp)) for key, lay in layouts]
+                  for layouts in owned]
+        order = [(key, hi - lo, True) for layouts in reversed(bounds)
+                 for key, ((lo, hi), _) in layouts] + \
+                [(key, hi - lo, False) for layouts in bounds for key, (_, (lo, hi)) in layouts]
+        order = [item for item in order if item[1]]
+        if not order:
+            return cls()
+        speculates = bool(plan_speculation(args, [1], "nvme", host_buffers_for).layouts)
+        weights = torch.tensor([], dtype=precision.params).element_size()
+        in_place = args.snake_optimizer_tier == "host"   # lent from the pool's own buffers
+        loans = (0 if in_place else precision.state_bytes + precision.grad_bytes) + \
+            (weights if precision.remainders else 0)
+        published = weights * (2 if precision.master == torch.float16 else 1)
+        outs = 0 if in_place else precision.state_bytes + \
+            (weights if precision.remainders else 0)
+
+        def held(i):
+            key, n, backward = order[i]
+            nxt = order[(i + 1) % len(order)][1] if len(order) > 1 else 0
+            running = published + (outs if backward and speculates else 0)
+            return (loans + running) * n + loans * nxt, key, n, nxt, running
+
+        _, key, n, nxt, running = max(held(i) for i in range(len(order)))
+        where = "the tied embedding" if key == SHARED else f"unit {key}"
+        return cls(n, nxt, where, loans, running,
+                   0 if host_kernel.implementation().startswith("native")
+                   else HostUpdate.scratch_bytes())
+
+    @property
+    def nbytes(self) -> int:
+        return (self.loans + self.running) * self.largest + self.loans * self.next + \
+            self.scratch
+
+    def describe(self) -> str:
+        return (f"the optimizer's update {size(self.nbytes)} (a part of "
+                f"{_count(self.largest)} elements of {self.where} as copies at "
+                f"{self.loans + self.running} B each, and the next part's loans)")
+
+
+def pool_left(limit: int, update: UpdateBytes, partial: int) -> int:
+    """The host pool ``--snake-host-memory-limit`` leaves after what the run holds outside
+    it: the update's loans (``update``) and the snake groups' ``partial`` gradients, in
+    whole buffers (fewer than the 2 a pool needs: ``short_of_pool`` says so). (The sources
+    of puts queued for the drive are the device's gradients and the update's loans on
+    their way back: counted there.)"""
+    return (limit - update.nbytes - partial) // DEFAULT_BUFFER_BYTES * DEFAULT_BUFFER_BYTES
+
+
+def short_of_pool(pf: "Preflight") -> HostMemoryError | None:
+    """The refusal of a --snake-host-memory-limit that leaves the pool fewer than 2
+    buffers after what the run holds outside it, naming the flag and the least it takes;
+    None when it does not."""
+    if pf.limit_given is None or pool_left(pf.limit_given, pf.update, pf.partial_gradients) \
+            >= 2 * DEFAULT_BUFFER_BYTES:
+        return None
+    least = -(-(pf.host_working_set + 2 * DEFAULT_BUFFER_BYTES) >> 20)   # MiB, rounded up
+    partial = f" and {size(pf.partial_gradients)} of partial gradients" \
+        if pf.partial_gradients else ""
+    return HostMemoryError(
+        f"--snake-host-memory-limit {size(pf.limit_given)} cannot hold what the run keeps in "
+        f"host memory outside its pool, {pf.update.describe()}{partial}, and a pool of 2 "
+        f"buffers of {mib(DEFAULT_BUFFER_BYTES)}: give at least --snake-host-memory-limit "
+        f"{least}MiB (or make the largest part smaller: --snake-checkpoint-interval, "
+        "--snake-alpha)")
+
+
+def given_host_limit(args) -> int:
+    """--snake-host-memory-limit as given (``run`` puts the pool in its place for the
+    store, and keeps the flag's value beside it)."""
+    return getattr(args, "snake_host_limit_given", None) or args.snake_host_memory_limit
+
+
+def _device_is_host(args) -> bool:
+    """Whether the compute device is the CPU: then its working set is host memory too."""
+    return getattr(args, "device", "auto") == "cpu" or not torch.cuda.is_available()
 
 
 def check(preflight: Preflight, args, frees: list | None) -> None:
@@ -561,7 +694,12 @@ def check(preflight: Preflight, args, frees: list | None) -> None:
         errors.append(working_set_error(limit, pf.working_set, pf.working_set_unit,
                                         tied=pf.counts.shared > 0))
     try:
-        check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes)
+        short = short_of_pool(pf)
+        if short is not None:
+            raise short
+        check_host_memory(args, pf.tiers, pf.host_buffers, pf.pool_buffers, pf.buffer_bytes,
+                          limit=pf.limit_given,
+                          outside=pf.optimizer_update + pf.partial_gradients)
     except HostMemoryError as exc:
         errors.append(exc)
     n = len(pf.offload_paths)
@@ -627,7 +765,9 @@ def run(args, vocab_size: int, *, rank: int = 0, log=print) -> Preflight:
         pf = estimate(args, vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                       pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                       dp_rank=parallel_state.get_data_parallel_rank(), rank=rank)
-        # the default pool, sized to this rank, is what the store is made with
+        # the pool (the default's, sized to this rank, or what the flag leaves) is what
+        # the store is made with
+        args.snake_host_limit_given = pf.limit_given
         args.snake_host_memory_limit = pf.pool_bytes
         if not args.snake_offload_dir:   # killed runs' leftovers are not counted as used
             sweep_dead_temp_offload_dirs()
