@@ -230,7 +230,7 @@ def save(directory: str, run, *, with_optimizer: bool, extra: dict, common: dict
 def check_recorded(metadata, pairs, where: str) -> None:
     """Each fragment a load reads must be recorded in ``metadata`` (``where``'s
     ``.metadata``) in the dtype this run reads it in (``checkpoint_dtypes``) and with its
-    global shape: torch's reader would cast another dtype into the run's buffers without a
+    global shape (but a padded vocabulary's rows): torch's reader would cast another dtype into the run's buffers without a
     word. (Each chunk is held to ``.metadata`` as it is read: ``safe_dcp``.)"""
     entries = metadata.state_dict_metadata
     for fragment, _ in pairs:
@@ -239,7 +239,10 @@ def check_recorded(metadata, pairs, where: str) -> None:
             continue   # not there: Megatron's load names the missing key
         have, want = (entry.properties.dtype, tuple(entry.size)), \
             (fragment.dtype, tuple(fragment.global_shape))
-        if have != want:
+        # a padded vocabulary's rows change with the tensor-parallel size: Megatron reads
+        # the rows both have (allow_shape_mismatch), so only its dtype must agree
+        if have != want and not (getattr(fragment, "allow_shape_mismatch", False)
+                                 and have[0] == want[0]):
             raise CheckpointMismatchError(
                 f"{where} records {fragment.key!r} as {have[0]} of shape {have[1]}, where "
                 f"this run reads {want[0]} of shape {want[1]}: not a checkpoint of this "
