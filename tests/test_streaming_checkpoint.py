@@ -184,15 +184,18 @@ def _two_ranks(rank: int, port: int, root: str, parallel: list[str], ckpt_format
         json.dump({"full": full, "resumed": resumed}, f)
 
 
-@pytest.mark.parametrize("name,parallel,rank_dirs", [
-    ("dp2", [], ["mp_rank_00_dp000", "mp_rank_00_dp001"]),
+@pytest.mark.parametrize("name,parallel,rank_dirs,ckpt_format", [
+    ("dp2", [], ["mp_rank_00_dp000", "mp_rank_00_dp001"], "torch"),
     # the tied embedding's two copies (first and last stage) are units of their stages
-    ("pp2", ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("pp2", ["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"],
+     "torch_dist"),
 ])
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_resume_is_bit_exact_on_two_ranks(tmp_path, name, parallel, rank_dirs, ckpt_format):
     """Each rank saves its own layouts (under data parallelism its shard of each: working
-    weights, master weights, moments) and loads them back: the straight run's losses."""
+    weights, master weights, moments) and loads them back: the straight run's losses. Data
+    parallel in this project's own format (whose files show the shards), pipeline stages in
+    Megatron's (the two formats share the offloaded state's save and load per layout; each
+    two-rank case takes a minute and a half, so each runs in one of them)."""
     mp.spawn(_two_ranks, args=(free_port(), str(tmp_path), parallel, ckpt_format), nprocs=2,
              join=True)
     for rank in range(2):
@@ -334,13 +337,16 @@ def test_a_checkpoint_with_another_unit_partition_is_refused(saved, tmp_path):
 
 
 # --- the big model: save and load within the RSS bound --------------------------------------
-@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
-def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path, ckpt_format):
+def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path, ckpt_format="torch_dist"):
     """test_bigger_than_memory's 201M-parameter GPT (3.8 GiB of fp32 training state):
     --save (twice) in a process whose peak RSS stays a quarter of that state or less,
     --load and one more step likewise, and that step's loss is the uninterrupted run's, in
-    both formats (torch_dist: Megatron's files, written and read one unit at a time).
-    (The whole-model save and load this replaces peaked at 3.57 and 3.54 GiB: ratio 1.1.)"""
+    torch_dist (the default: Megatron's files, written and read one unit at a time; the
+    torch format streams through the same per-layout state, ``unit_state``, and its own
+    writer is tested on small models above: this test takes four minutes a format).
+    (The whole-model save and load this replaces peaked at 3.57 and 3.54 GiB: ratio 1.1.)
+    The host limit is the least the pre-flight takes for this model (the optimizer's
+    update outside the pool, 108 MiB, and a pool of two buffers)."""
     from test_bigger_than_memory import (BIG, FP32_STATE_BYTES_PER_PARAMETER,
                                          train_in_subprocess)
 
@@ -351,7 +357,7 @@ def test_big_model_saves_and_loads_within_its_rss_bound(tmp_path, ckpt_format):
         out = list(BIG)
         out[out.index("--train-iters") + 1] = str(iters)
         return [*out, "--snake-offload", "--snake-offload-dir", str(tmp_path / name),
-                "--snake-host-memory-limit", "64MiB", "--ckpt-format", ckpt_format, *extra]
+                "--snake-host-memory-limit", "128MiB", "--ckpt-format", ckpt_format, *extra]
 
     # --train-iters 3 in all three runs (it sets the learning-rate schedule), the first
     # stopped after its second step
