@@ -60,8 +60,11 @@ def test_the_heap_gives_back_freed_pages_once_they_add_up():
     out = run("""
         assert host_heap.bound_host_heap()
         host_heap.release_free_heap()       # a step ends: the low-water mark
-        blocks = [torch.ones(2 << 20) for _ in range(40)]   # 320 MiB, 8 MiB blocks
-        guard = torch.ones(1 << 16)         # keeps the freed blocks off the heap's top
+        blocks = [torch.ones(2 << 20) for _ in range(41)]   # 328 MiB, 8 MiB blocks
+        # the last block, carved from the heap's top after the others, keeps them off the
+        # top (a small guard could land in a free fragment lower down the heap, and the
+        # blocks freed below it would join the top and go back to the OS at once)
+        guard = blocks.pop()
         held = host_heap.resident_bytes()
         del blocks                          # freed into the heap, still resident
         kept = host_heap.resident_bytes()
