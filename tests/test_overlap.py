@@ -564,12 +564,14 @@ def test_the_emulated_host_link_carries_the_devices_copies_without_the_cpu(tmp_p
     assert copies == [("host write misc", n), ("host read misc", n)]   # the worker's only
 
 
-def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_path,
-                                                                          monkeypatch):
-    """A device get served from a worker's put that is still writing (forwarding, as of
-    weights just published) is a copy over the host link, as on a GPU's copy stream, not
-    a CPU copy on the thread that runs the device."""
-    rate, n = 40 * MiB, 4 * MiB
+HELD_PUT = 4 * MiB
+
+
+def _link_spans_of_a_read_during_a_held_put(tmp_path, monkeypatch, tier, read) -> list:
+    """The emulated host link's copies (name, bytes) when ``read(store)`` runs while a
+    worker's put of HELD_PUT bytes to ``tier`` is still writing (its source copy held
+    until the read has been issued, or 5 s); ``read`` returns a handle to wait for, or
+    None."""
     with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
         release = threading.Event()
         contiguous_source = store.copies.contiguous_source
@@ -579,46 +581,42 @@ def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_pa
             return contiguous_source(tensor, ready)
 
         monkeypatch.setattr(store.copies, "contiguous_source", held)
-        host = torch.full((n // 4,), 2.0)
-        with emulated_device.emulating(link_bytes_per_s=rate), \
+        host = torch.full((HELD_PUT // 4,), 2.0)
+        with emulated_device.emulating(link_bytes_per_s=40 * MiB), \
                 timeline.recording() as recorded:
             worker = ThreadPoolExecutor(1)
-            put = worker.submit(lambda: store.put("w", host, tier="nvme")).result()
-            store.get("w").wait()
+            put = worker.submit(lambda: store.put("w", host, tier=tier)).result()
+            pending = read(store)
             release.set()
             put.wait()
+            if pending is not None:
+                pending.wait()
             worker.shutdown()
-    link = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
-    assert link == [("link h2d", n)]
+    return [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
+
+
+def test_the_emulated_device_reads_a_host_put_still_writing_over_its_link(tmp_path,
+                                                                          monkeypatch):
+    """A device get served from a worker's put that is still writing (forwarding, as of
+    weights just published) is a copy over the host link, as on a GPU's copy stream, not
+    a CPU copy on the thread that runs the device."""
+    def read(store):
+        store.get("w").wait()
+
+    link = _link_spans_of_a_read_during_a_held_put(tmp_path, monkeypatch, "nvme", read)
+    assert link == [("link h2d", HELD_PUT)]
 
 
 def test_weights_put_onto_the_device_cross_the_link_once_when_read_at_once(tmp_path,
                                                                             monkeypatch):
     """New weights an update puts onto the device tier (a pinned unit's) and the unit reads
     while that put is still copying: the read waits for the put and copies on the device,
-    so the weights cross the host link once, not a second time from the put's source."""
-    rate, n = 40 * MiB, 4 * MiB
-    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
-        release = threading.Event()
-        contiguous_source = store.copies.contiguous_source
-
-        def held(tensor, ready):      # the put is still writing while the device reads
-            release.wait(5)
-            return contiguous_source(tensor, ready)
-
-        monkeypatch.setattr(store.copies, "contiguous_source", held)
-        host = torch.full((n // 4,), 2.0)
-        with emulated_device.emulating(link_bytes_per_s=rate), \
-                timeline.recording() as recorded:
-            worker = ThreadPoolExecutor(1)
-            put = worker.submit(lambda: store.put("w", host, tier="gpu")).result()
-            read = store.get("w", out=torch.empty(n // 4))
-            release.set()
-            put.wait()
-            read.wait()        # (over the emulated link no byte moves: no values to check)
-            worker.shutdown()
-    link = [(s["name"], s["args"]["bytes"]) for s in recorded.spans if s["cat"] == "link"]
-    assert link == [("link h2d", n)]
+    so the weights cross the host link once, not a second time from the put's source.
+    (Over the emulated link no byte moves: no values to check.)"""
+    link = _link_spans_of_a_read_during_a_held_put(
+        tmp_path, monkeypatch, "gpu",
+        lambda store: store.get("w", out=torch.empty(HELD_PUT // 4)))
+    assert link == [("link h2d", HELD_PUT)]
 
 
 def _span(name, cat, start, end, **args):
