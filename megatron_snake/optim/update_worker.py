@@ -180,31 +180,34 @@ class UpdateWorker:
         t0 = time.perf_counter()
         lent = {name: h.wait() for name, h in reads.items()}
         self._phase("read", t0)
-        sink = self._sink(key, part, lent, soon, "w")
-        try:
-            weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
-                                           weights_out=sink and sink[0])
-        except BaseException:
-            if sink:   # half written: no reader may take it
-                self.store.delete(("w", key, part))
-            raise
+        publish = self._run(key, part, hyper, clip_coef, lent, soon, "w")
         t = time.perf_counter()
         self.store.delete(("grad", key, part))   # its host buffers are free now
-        # before the master is given back
-        sink[1]() if sink else self.publish(key, part, weights, lent, soon, "w")
+        publish()   # before the master is given back
         self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
 
-    def _sink(self, key, part: str, lent: dict, soon: bool, name: str):
-        """The new working weights' record lent for the kernel to write them straight into
-        (the store's host buffers when it has room: no converted copy, no second pass), or
-        None: an update on the device, remainders (the weights are the optimizer's records,
-        changed in place), or where ``weights_sink`` declines."""
+    def _run(self, key, part: str, hyper, clip_coef, lent: dict, soon: bool, name: str,
+             out: dict | None = None):
+        """``host_update.run`` of one part, its new working weights written straight into
+        the record ``weights_sink`` lends (the store's host buffers when it has room: no
+        converted copy, no second pass) where it lends one. Returns the call that stores
+        them as record ``(name, key, part)``: the sink's, else ``publish``."""
         master = lent["master"]
-        if self.weights_sink is None or self.remainders or not master or \
-                master[0].device.type != "cpu":
-            return None
-        return self.weights_sink(key, part, sum(p.numel() for p in master), soon, name)
+        sink = None
+        if self.weights_sink is not None and not self.remainders and master and \
+                master[0].device.type == "cpu":   # not on the device; not the optimizer's
+            sink = self.weights_sink(key, part, sum(p.numel() for p in master), soon, name)
+        try:
+            weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
+                                           out=out, weights_out=sink and sink[0])
+        except BaseException:
+            if sink:   # half written: no reader may take it
+                self.store.delete((name, key, part))
+            raise
+        if sink:
+            return sink[1]
+        return lambda: self.publish(key, part, weights, out or lent, soon, name)
 
     def _speculate(self, key, part: str, hyper, reads: dict) -> None:
         """The update without a clip, out of place: the new state into next records, the
@@ -218,17 +221,10 @@ class UpdateWorker:
                                            lent[name][0].dtype, kind="optim",
                                            tier=self.tier_of(key))
                for name in STATES}
-        name = "w.next" if self.remainders else "w"
-        sink = self._sink(key, part, lent, False, name)
-        try:
-            weights = self.host_update.run(key, part, hyper, None, lent, self._phase, out=out,
-                                           weights_out=sink and sink[0])
-        except BaseException:
-            if sink:
-                self.store.delete((name, key, part))
-            raise
+        publish = self._run(key, part, hyper, None, lent, False,
+                            "w.next" if self.remainders else "w", out=out)
         t = time.perf_counter()
-        sink[1]() if sink else self.publish(key, part, weights, out, False, name)
+        publish()
         self._phase("weights", t)
         self.update_s += time.perf_counter() - t0
 
