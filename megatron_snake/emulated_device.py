@@ -21,6 +21,13 @@ one engine per direction, ``bytes / rate``, and no CPU, as DMA takes none; its b
 not moved (the emulated device computes nothing from them). Without one, such copies are
 CPU copies on this machine's cores.
 
+With a memory rate (``emulating(memory_bytes_per_s=...)``) the optimizer's update of a
+layout whose state is the device's (the device share: run by the thread that entered the
+block) is the device's work too: ``memory_work`` queues its bytes at that rate, the rate of
+a fused kernel streaming the device's memory, and its values stay as they were, as the
+units compute nothing. Without one, that update runs on this machine's CPU, on the
+training thread, and holds up the schedule as no GPU kernel would.
+
 The store sees all of this through one object, ``EmulatedCopies``: the copy strategy its
 tiers are handed (storage/copies.py), which is the store's own until a block runs
 ``emulating()``.
@@ -87,6 +94,7 @@ class HostLink:
 
 _active: DeviceClock | None = None
 _link: HostLink | None = None
+_memory_bytes_per_s: float | None = None
 _device_thread: threading.Thread | None = None
 
 
@@ -116,6 +124,16 @@ def link_copy(nbytes: int, direction: str) -> tuple[float, float] | None:
     start, end = link.engines[direction].launch(nbytes / link.bytes_per_s)
     ClockEvent(end).synchronize()
     return start, end
+
+
+def memory_work(nbytes: int) -> tuple[float, float] | None:
+    """Queue a kernel that streams ``nbytes`` of the device's memory on the clock, where a
+    memory rate is set and the calling thread's tensors are the device's; returns its
+    (start, end) host times, or None where the caller does the work itself."""
+    rate = _memory_bytes_per_s
+    if rate is None or not device_side():
+        return None
+    return _active.launch(nbytes / rate)
 
 
 def host_read() -> None:
@@ -176,15 +194,21 @@ class EmulatedCopies:
 
 
 @contextmanager
-def emulating(link_bytes_per_s: float | None = None):
-    """``with emulating() as clock:`` the device compute of the block is the clock's, and
-    with ``link_bytes_per_s`` its copies to and from host memory are a host link's."""
-    global _active, _link, _device_thread
+def emulating(link_bytes_per_s: float | None = None,
+              memory_bytes_per_s: float | None = None):
+    """``with emulating() as clock:`` the device compute of the block is the clock's; with
+    ``link_bytes_per_s`` its copies to and from host memory are a host link's, and with
+    ``memory_bytes_per_s`` the device share's updates are its memory's (``memory_work``)."""
+    global _active, _link, _device_thread, _memory_bytes_per_s
     if _active is not None:
         raise RuntimeError("an emulated device is already running")
+    if memory_bytes_per_s is not None and memory_bytes_per_s <= 0:
+        raise ValueError(f"the emulated device's memory needs a rate > 0 bytes/s, "
+                         f"got {memory_bytes_per_s}")
     link = HostLink(link_bytes_per_s) if link_bytes_per_s else None
     _active, _link, _device_thread = DeviceClock(), link, threading.current_thread()
+    _memory_bytes_per_s = memory_bytes_per_s
     try:
         yield _active
     finally:
-        _active = _link = _device_thread = None
+        _active = _link = _device_thread = _memory_bytes_per_s = None

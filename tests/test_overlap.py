@@ -504,6 +504,62 @@ def test_the_emulated_device_runs_the_flops_over_its_rate_apart_from_the_host(
         "outside the block the units compute again, the same numbers"
 
 
+@pytest.mark.parametrize("rate", [1e6, None], ids=["memory rate", "none"])
+def test_the_device_shares_update_is_time_on_the_emulated_devices_memory(megatron_world,
+                                                                         tmp_path, rate):
+    """With a memory rate, the update of a layout of the device share is the emulated
+    device's work: a device span of its bytes over the rate (the gradient read, the master
+    and both moments read and written: 28 B a parameter without the clip), queued while the
+    host goes on, its state left as it was; the other layouts update on the host's kernel.
+    Without the rate, the share's update is the host's arithmetic (its master decays)."""
+    args = tiny_args("--untie-embeddings-and-output-weights")
+    model = build_model(args, megatron_world)
+    units = GPTUnits(model, 2)
+    params = UnitParams.of(units)
+    share = params.units[0].key
+    with TensorStore(str(tmp_path), host_memory_limit=256 * MiB) as tstore:
+        opt = OffloadedAdamW(params, tstore, lr=1e-3, weight_decay=0.1, clip_grad=0.0,
+                             device_share=[share])
+        weights = OffloadedUnits(params, tstore, opt, device=torch.device("cpu"),
+                                 dtype=torch.float32, pinned=[0])
+        master = {part: tstore.get(("master", share, part)).wait().clone()
+                  for part, _, _ in opt.states.parts(share)}
+        mbs = make_microbatches(2, seed=0)
+        # the rate is slow enough to dwarf the host's own time
+        with emulate_compute(units, 1e3, memory_bytes_per_s=rate) as device, \
+                timeline.recording() as recorded:
+            store = CombinedStore(OffloadedUnitInputs(tstore, "host", len(mbs),
+                                                       torch.device("cpu")), weights)
+            vertical_forward_backward(model, mbs, checkpoint_interval=2, store=store)
+            store.inputs.finish_step()
+            host_done = time.perf_counter()   # the backward sweep queued the share's update
+            opt.step()
+            opt.flush()
+            device.synchronize()
+        device_updates = [s for s in recorded.spans if s["name"] == "device adamw"]
+        host_params = sum(s["args"]["params"] for s in recorded.spans
+                          if s["cat"] == "cpu adamw")
+        others = sum(lay.numel for lay in params.all_layouts() if lay.key != share)
+        unchanged = [torch.equal(tstore.get(("master", share, part)).wait(), before)
+                     for part, before in master.items()]
+        weights.load_all()
+        opt.close()
+    if rate is None:
+        assert not device_updates and host_params == others + params.units[0].numel
+        assert unchanged == [False] * len(master)
+        return
+    assert sorted(s["args"]["params"] for s in device_updates) == \
+        sorted(hi - lo for _, lo, hi in opt.states.parts(share))
+    assert all(s["args"]["seconds"] == pytest.approx(28 * s["args"]["params"] / rate)
+               and s["thread"] == "device" for s in device_updates)
+    # queued at unit 0's gradient, the backward sweep's last, and not waited for: the host
+    # waits for the device only where it reads the step's norm
+    last = max(device_updates, key=lambda s: s["end"])
+    assert host_done - recorded.t0 < last["end"] - 0.5 * last["args"]["seconds"], \
+        "the host waited for the device's update"
+    assert host_params == others and unchanged == [True] * len(master)
+
+
 def test_the_store_waits_for_the_emulated_device_where_a_gpu_run_waits_for_events(tmp_path):
     """A put's source is copied once the device has produced it, and a get fills a buffer
     once the device is done with it; without the emulated device, neither waits."""

@@ -12,6 +12,9 @@ gradients) go over an emulated host link, ``--gpu-link-gbps`` (default 25: what 
 copies reach over PCIe Gen4 x16, under half of an H100's Gen5 link) scaled the same way:
 they take the link's time on one copy engine per direction and no CPU, as a GPU's DMA
 does (``--gpu-link-gbps 0``: CPU copies on this machine's cores, as before 2026-11-25).
+The optimizer's updates of the device share (``--snake-device-optimizer-share``) are the
+device's too: time on its clock at ``--gpu-memory-gbps`` (default 2700: about 0.8 of an
+H100's HBM3, what a fused AdamW streams), scaled the same way.
 
 Each measured step is recorded as a timeline (megatron_snake/timeline.py); it ends when the
 host is done and the device has run what it was given. Per phase of the
@@ -197,7 +200,8 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             cpu_start = time.process_time()
             with timeline.recording() as recorded:
                 if emulate:
-                    with emulate_compute(run.offloaded.units, tflops, link) as clock:
+                    with emulate_compute(run.offloaded.units, tflops, link,
+                                         tflops * 1e12 * a.memory_bytes_per_flop) as clock:
                         run.step(mbs)
                         clock.synchronize()
                 else:
@@ -278,9 +282,10 @@ def saturating_microbatches(a, tflops: float, link: float | None, device) -> tup
 # no recompute): the link's time per FLOP is kept too. The model is scaled down to fit this
 # machine (16 layers of hidden 1024, the H200's sequence, vocabulary and micro-batch).
 # The device is the H200 relative to its host: its rate is set by a calibration run of the
-# design the H200 measured (``BASELINE_FLAGS``: no speculative update, the update's team on
-# every core, as at `bde0303`), at which that run's update is 0.9 of the step's compute
-# here; the configuration asked for then runs on that device.
+# design the H200 measured (``BASELINE_FLAGS``: no speculative update, no share of the
+# optimizer on the device, the update's team on every core, as at `bde0303`), at which
+# that run's update is 0.9 of the step's compute here; the configuration asked for then
+# runs on that device.
 PRESETS = {
     "h200-headline": {
         "layers": 16, "hidden": 1024, "heads": 8, "seq": 2048, "micro_batch_size": 1,
@@ -289,9 +294,12 @@ PRESETS = {
                        "--snake-activation-tier host --untie-embeddings-and-output-weights "
                        "--snake-gpu-memory-limit 6GiB",
         "update_over_compute": 0.9, "link_bytes_per_flop": 52.8e9 / (127.0 * 4 / 3 * 1e12),
+        # the device share's fused AdamW: about 0.8 of the H200's 4.8 TB/s
+        "memory_bytes_per_flop": 0.8 * 4.8e12 / (127.0 * 4 / 3 * 1e12),
     },
 }
-BASELINE_FLAGS = "--snake-speculate off --snake-optimizer-threads {cores}"
+BASELINE_FLAGS = ("--snake-speculate off --snake-device-optimizer-share 0 "
+                  "--snake-optimizer-threads {cores}")
 
 
 def preset_tuning(a, log: list):
@@ -346,6 +354,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-link-gbps", type=float, default=25.0,
                    help="the GPU's host link per direction, scaled like --gpu-tflops (0: the "
                         "device's copies are CPU copies on this machine)")
+    p.add_argument("--gpu-memory-gbps", type=float, default=2700.0,
+                   help="the rate the GPU's fused AdamW streams its memory at, for the "
+                        "device share's updates, scaled like --gpu-tflops")
     p.add_argument("--probe-microbatches", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=0,
                    help="run only this many micro-batches (default: the saturating number, "
@@ -359,11 +370,14 @@ def main(argv=None) -> int:
     p.add_argument("--grad-norm", type=float, default=4.0,
                    help="the emulated gradients' global norm: above --clip-grad (1.0) the "
                         "clip binds, as on mock data; 0: zero gradients")
-    p.set_defaults(update_over_compute=None, link_bytes_per_flop=None)
+    p.set_defaults(update_over_compute=None, link_bytes_per_flop=None,
+                   memory_bytes_per_flop=None)
     a = p.parse_args(argv)
     if a.preset:
         p.set_defaults(**PRESETS[a.preset])
         a = p.parse_args(argv)
+    if a.memory_bytes_per_flop is None:
+        a.memory_bytes_per_flop = a.gpu_memory_gbps * 1e9 / (a.gpu_tflops * 1e12)
     tmp = None
     if a.dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_overlap_")

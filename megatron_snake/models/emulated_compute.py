@@ -76,11 +76,13 @@ def _launch(clock, seconds: float) -> None:
 
 
 @contextmanager
-def emulate_compute(units: GPTUnits, tflops: float, link_bytes_per_s: float | None = None):
+def emulate_compute(units: GPTUnits, tflops: float, link_bytes_per_s: float | None = None,
+                    memory_bytes_per_s: float | None = None):
     """Within the block, ``units.forward_unit`` queues what a ``tflops`` device would take on
     the emulated device's clock instead of computing (the block runs
-    ``emulated_device.emulating(link_bytes_per_s)``; yields the clock; with a link rate the
-    copies between the device and host memory are a host link's, not CPU copies). The
+    ``emulated_device.emulating(link_bytes_per_s, memory_bytes_per_s)``; yields the clock;
+    with a link rate the copies between the device and host memory are a host link's, not
+    CPU copies; with a memory rate the device share's updates are the device's). The
     vertical schedule's forward sweep then queues one forward per (unit, micro-batch) and
     its backward sweep a recompute and a backward (three), as the device would."""
     if tflops <= 0:
@@ -105,7 +107,7 @@ def emulate_compute(units: GPTUnits, tflops: float, link_bytes_per_s: float | No
             return out[..., 0].float().t().contiguous()
         return out
 
-    with emulated_device.emulating(link_bytes_per_s) as clock:
+    with emulated_device.emulating(link_bytes_per_s, memory_bytes_per_s) as clock:
         units.forward_unit = forward_unit   # an instance attribute shadows the method
         try:
             yield clock

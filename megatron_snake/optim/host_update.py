@@ -14,7 +14,8 @@ each segment says how many of its elements lie before its piece's tail
 Weight decay follows Megatron (none on biases and 1-D parameters).
 
 A layout of the device share (state on the compute device) is updated on the device with
-torch's fused AdamW, one tensor per parameter piece.
+torch's fused AdamW, one tensor per parameter piece; on an emulated device
+(``emulated_device``, a benchmark's) that update is time on the device's clock.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import torch
 
+import megatron_snake.emulated_device as emulated_device
 import megatron_snake.timeline as timeline
 from megatron_snake.optim import host_kernel
 from megatron_snake.optim.adamw import STATES, fused_adamw_
@@ -81,6 +83,9 @@ class HostUpdate:
             weights = self._on_device(key, part, hyper, clip_coef, lent)
             phase("adamw", t)
             return weights
+        if self._on_emulated_device(lent, clip_coef):
+            phase("adamw", t)
+            return lent["master"]
         p = self.precision
         out = out or {}
         numel = sum(x.numel() for x in lent["master"])
@@ -151,6 +156,22 @@ class HostUpdate:
                              beta2=self.beta2, eps=self.eps,
                              weight_decay=hyper.weight_decay if decay else 0.0)
         return [master]
+
+    @staticmethod
+    def _on_emulated_device(lent: dict, clip_coef) -> bool:
+        """A part of the device share on an emulated device (its state is host memory
+        there, and the thread that runs the schedule updates it): the device's fused AdamW
+        as time on its clock, the bytes ``_on_device``'s kernels stream (the clip's
+        multiply, then the gradient read and the master and both moments read and
+        written), the values left as they are. Whether it was."""
+        numel = sum(x.numel() for x in lent["master"])
+        nbytes = numel * (4 + 3 * 8 + (8 if clip_coef is not None else 0))
+        span = emulated_device.memory_work(nbytes)
+        if span is None:
+            return False
+        timeline.record("device adamw", "device", *span, thread="device",
+                        seconds=span[1] - span[0], params=numel)
+        return True
 
     @staticmethod
     def scratch_bytes() -> int:

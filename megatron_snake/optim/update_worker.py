@@ -195,8 +195,9 @@ class UpdateWorker:
         them as record ``(name, key, part)``: the sink's, else ``publish``."""
         master = lent["master"]
         sink = None
+        # not for the device share: its update (and the cast of its weights) is the device's
         if self.weights_sink is not None and not self.remainders and master and \
-                master[0].device.type == "cpu":   # not on the device; not the optimizer's
+                self.tier_of(key) != "gpu":
             sink = self.weights_sink(key, part, sum(p.numel() for p in master), soon, name)
         try:
             weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
