@@ -480,7 +480,7 @@ def test_a_new_value_given_back_to_the_device_crosses_once_from_its_buffers(tmp_
 def test_host_traffic_counts_the_host_side_of_each_copy():
     """A copy within host memory reads one side and writes the other; a crossing touches
     host memory once; a copy between two device tensors touches none."""
-    from megatron_snake.storage.copies import HostTraffic, per_parameter_step
+    from megatron_snake.storage.copies import HostTraffic, describe_per_parameter
     t = HostTraffic()
     a, b = torch.empty(100), torch.empty(100, dtype=torch.bfloat16)
     t.pairs([(a, b)])
@@ -489,5 +489,6 @@ def test_host_traffic_counts_the_host_side_of_each_copy():
     t.pairs([(a, a)], device_dst=True, device_src=True)
     assert t.snapshot() == {"update": 0, "copy": 600, "crossing": 400, "drive": 0,
                             "checksum": 0}
-    assert per_parameter_step(t.snapshot(), 100, 2) == \
+    assert describe_per_parameter(t.per_parameter_step(
+        dict.fromkeys(HostTraffic.PASSES, 0), 100, 2)) == \
         "5.0 B per parameter per step (copy 3.0, crossing 2.0)"

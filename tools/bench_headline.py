@@ -286,20 +286,16 @@ def timed_steps(run, a, device, num_mb: int, warmup: int, steps: int, seed0: int
                       optimizer_threads=opt.threads)
     if getattr(run, "tensor_store", None) is not None and steps:
         # host memory read and written per parameter of this rank per timed step, by pass
-        now = run.tensor_store.copies.traffic.snapshot()
-        params = sum(lay.numel for lay in opt.layouts.values())
-        result["host_bytes_per_param_step"] = {k: (now[k] - traffic0[k]) / params / steps
-                                               for k in now}
+        result["host_bytes_per_param_step"] = run.tensor_store.copies.traffic.per_parameter_step(
+            traffic0, sum(lay.numel for lay in opt.layouts.values()), steps)
     return result
 
 
 def host_bytes(r: dict) -> str:
     """The offloaded run's host memory traffic per parameter per timed step, by pass."""
+    from megatron_snake.storage.copies import describe_per_parameter
     per = r.get("host_bytes_per_param_step")
-    if not per:
-        return ""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v)
-    return f"; host memory {sum(per.values()):.1f} B per parameter per step ({parts})"
+    return f"; host memory {describe_per_parameter(per)}" if per else ""
 
 
 def figures(a, layers: int, num_mb: int, r: dict) -> dict:

@@ -63,6 +63,7 @@ import torch  # noqa: E402
 
 import megatron_snake.timeline as timeline  # noqa: E402
 from megatron_snake.models.emulated_compute import emulate_compute, unit_forward_flops  # noqa: E402
+from megatron_snake.storage.copies import describe_per_parameter  # noqa: E402
 from megatron_snake.storage.host_heap import keep_freed_host_memory  # noqa: E402
 from megatron_snake.training import distributed  # noqa: E402
 from megatron_snake.optim.cpu_threads import usable_cores  # noqa: E402
@@ -214,7 +215,9 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
             # all of the process's threads: what the step takes from the cores the drive's
             # I/O shares (on this VM the drive slows beside busy cores)
             cpu_s = time.process_time() - cpu_start
-            traffic = store.copies.traffic.snapshot()   # before the drive's calibration
+            # before the drive's calibration
+            host_bytes = store.copies.traffic.per_parameter_step(
+                traffic0, sum(lay.numel for lay in opt.layouts.values()))
             after = drive_rates(store)
             if step < a.warmup:
                 if tune is not None:
@@ -231,9 +234,7 @@ def measure(a, num_mb: int, tflops: float, device, *, steps: int, trace: str | N
                                      for k, v in opt.update_phase_s.items()}
             # host memory read and written per parameter, by pass (the emulated device's
             # memory is not host memory: its crossings count their host side)
-            params = sum(lay.numel for lay in opt.layouts.values())
-            row["host_bytes_per_param"] = {k: (v - traffic0[k]) / params
-                                           for k, v in traffic.items()}
+            row["host_bytes_per_param"] = host_bytes
             rows.append(row)
         if trace and recorded is not None:
             with open(trace, "w") as f:
@@ -451,9 +452,8 @@ def main(argv=None) -> int:
               f"full recompute {out['vs_megatron_full_recompute']:.3f}, no recompute "
               f"{out['vs_megatron_no_recompute']:.3f}")
     for out in results["runs"]:
-        per = out["host_bytes_per_param_step"]
-        print(f"M={out['micro_batches']}: host memory {sum(per.values()):.1f} B per parameter "
-              "per step (" + ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v) + ")")
+        print(f"M={out['micro_batches']}: host memory "
+              + describe_per_parameter(out["host_bytes_per_param_step"]))
     for out in results["runs"]:
         print(f"M={out['micro_batches']}: roofline / measured (median) "
               f"{out['roofline_over_measured']:.3f}")

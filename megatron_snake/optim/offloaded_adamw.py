@@ -42,7 +42,7 @@ from megatron_snake.optim.parts import PARTS, PartStates, check_alpha, next_key
 from megatron_snake.optim.precision import Precision, split_flat
 from megatron_snake.optim.unit_params import UnitParams
 from megatron_snake.optim.update_worker import UpdateWorker
-from megatron_snake.storage.copies import per_parameter_step
+from megatron_snake.storage.copies import describe_per_parameter
 
 
 def check_device_optimizer_share(value: str, precision_aware: bool = False) -> str:
@@ -468,12 +468,11 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
     def host_traffic(self) -> str:
         """Host memory read and written per parameter of this rank per step, by pass, over
         the steps after the first (``storage.copies.HostTraffic``)."""
-        if self._traffic_since is None:
+        params = sum(lay.numel for lay in self.layouts.values())
+        if self._traffic_since is None or not self._traffic_steps or not params:
             return "no step"
-        now = self.store.copies.traffic.snapshot()
-        return per_parameter_step({k: now[k] - self._traffic_since[k] for k in now},
-                                  sum(lay.numel for lay in self.layouts.values()),
-                                  self._traffic_steps)
+        return describe_per_parameter(self.store.copies.traffic.per_parameter_step(
+            self._traffic_since, params, self._traffic_steps))
 
     def _commit_speculation(self, speculated: dict) -> None:
         """The state the speculative updates wrote out of place becomes the parts' state;

@@ -161,6 +161,11 @@ class HostTraffic:
         with self._lock:
             return dict(self.bytes)
 
+    def per_parameter_step(self, since: dict, params: int, steps: int = 1) -> dict:
+        """Bytes per parameter per step, by pass, since the snapshot ``since``."""
+        now = self.snapshot()
+        return {k: (now[k] - since[k]) / params / steps for k in now}
+
     def pairs(self, pairs, device_dst: bool = False, device_src: bool = False) -> None:
         """Count a copy of ``pairs`` (dst, src): a side is host memory unless it is a GPU
         tensor or the caller says it is the device's (an emulated device's tensors)."""
@@ -174,12 +179,9 @@ class HostTraffic:
             self.add("copy" if dst_host and src_host else "crossing", nbytes)
 
 
-def per_parameter_step(traffic: dict, params: int, steps: int) -> str:
-    """``traffic`` (a HostTraffic snapshot or the difference of two) in bytes per parameter
-    per step, the total first, then each pass that moved any."""
-    if not params or not steps:
-        return "no step"
-    per = {k: v / params / steps for k, v in traffic.items()}
+def describe_per_parameter(per: dict) -> str:
+    """Bytes per parameter per step by pass (``HostTraffic.per_parameter_step``) in words:
+    the total first, then each pass that moved any."""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v)
     return f"{sum(per.values()):.1f} B per parameter per step ({parts or 'none'})"
 
