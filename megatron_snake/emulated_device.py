@@ -172,6 +172,15 @@ class EmulatedCopies:
             return self._base.caller_event(tensor)
         return active().event() if device_side() else None
 
+    def within_device(self, pairs, direction=None) -> None:
+        """A copy within the device's memory: made here (the values stay right), but no
+        host memory's traffic, as on a GPU."""
+        if _active is None:
+            self._base.within_device(pairs, direction)
+            return
+        for dst, src in pairs:
+            dst.copy_(src)
+
     def over_link(self, ready) -> bool:
         return _link is not None and device_side() and not isinstance(ready, ClockEvent)
 

@@ -582,6 +582,33 @@ def test_the_store_waits_for_the_emulated_device_where_a_gpu_run_waits_for_event
         assert torch.equal(buf, src)
 
 
+def test_copies_within_the_emulated_devices_memory_are_no_host_traffic(tmp_path):
+    """The device tier's records and the device's buffers are the emulated device's memory:
+    a put of a device value onto the device tier, a read back into a device buffer and a
+    conversion of device values into a device-tier record move no host memory (as on a
+    GPU), and the values are still right; on a machine without a GPU or an emulated device
+    the same copies are host copies, counted."""
+    def traffic(emulate: bool):
+        (tmp_path / str(emulate)).mkdir()
+        with TensorStore(str(tmp_path / str(emulate)), host_memory_limit=64 * MiB) as store:
+            src, buf = torch.arange(1024.0), torch.empty(1024)
+            block = emulated_device.emulating() if emulate else contextmanager(
+                lambda: (yield))()
+            with block:
+                store.put("a", src, tier="gpu").wait()
+                store.get("a", out=buf).wait()
+                store.put_converted("b", [src[:512], src[512:]], torch.bfloat16,
+                                    tier="gpu").wait()
+                converted = store.get("b").wait()
+            assert torch.equal(buf, src) and torch.equal(converted, src.bfloat16())
+            return store.copies.traffic.snapshot()
+    assert sum(traffic(emulate=True).values()) == 0
+    plain = traffic(emulate=False)
+    # without a device, the puts onto the device tier count their source's side (4 KiB,
+    # 2 KiB); the reads 4 KiB and 2 KiB each way, the conversion 4 KiB read and 2 written
+    assert (plain["crossing"], plain["copy"]) == (4096 + 2048, 2 * 4096 + 2 * 2048 + 6144)
+
+
 def test_the_emulated_host_link_carries_the_devices_copies_without_the_cpu(tmp_path):
     """With a host link, the device's copies to and from host memory (the thread that runs
     the device puts and gets) take bytes / rate on one engine per direction, in order, and

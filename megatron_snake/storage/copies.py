@@ -238,6 +238,12 @@ class Copies:
         self.traffic.pairs(pairs)
         copy_pairs(self._streams[direction], pairs)
 
+    def within_device(self, pairs, direction=None) -> None:
+        """dst <- src for ``pairs``, both the compute device's memory (the device tier's
+        records and the device's buffers), as ``copy``: on a GPU no host memory is touched;
+        on a machine without one the device's memory is host memory, and counted so."""
+        self.copy(pairs, direction)
+
     def run(self, fn, direction):
         """``fn()`` on the copy stream of ``direction``, done on return; what it returns."""
         return run_copy(self._streams[direction], fn)

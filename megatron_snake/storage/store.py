@@ -253,6 +253,8 @@ class TensorStore:
             where = pieces[0].device if pieces else torch.device("cpu")
             if where.type != "cpu":
                 flat = torch.empty(numel, dtype=dtype, device=where)
+            elif self.copies.device_side():   # an emulated device's: its memory, not host
+                flat = torch.empty(numel, dtype=dtype)
             else:
                 pin = tier == "gpu" and self.device.type == "cuda"
                 flat = torch.empty(numel, dtype=dtype, pin_memory=pin)

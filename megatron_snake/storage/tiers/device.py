@@ -34,7 +34,10 @@ class DeviceTier(Tier):
             # from host memory a crossing onto the device (an emulated device's host link
             # when it has one); from the device's own memory a copy on it
             copy = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
-            self.copies.across([(copy, src)], "h2d", device_side=not from_device)
+            if from_device:
+                self.copies.within_device([(copy, src)], "h2d")
+            else:
+                self.copies.across([(copy, src)], "h2d", device_side=True)
         rec.gpu = copy
         self.counters.add("gpu", nwritten=rec.nbytes, kind=rec.kind)
         return True
@@ -62,7 +65,10 @@ class DeviceTier(Tier):
     def read_into(self, rec, dst, to_device=False, free=None) -> None:
         if free is not None:
             self.copies.wait(free, "h2d")
-        self.copies.copy([(dst, rec.gpu)], "h2d")
+        if to_device:
+            self.copies.within_device([(dst, rec.gpu)], "h2d")
+        else:
+            self.copies.copy([(dst, rec.gpu)], "h2d")
         self.counters.add("gpu", nread=rec.nbytes, kind=rec.kind)
 
     def drop(self, rec) -> None:
