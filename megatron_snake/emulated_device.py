@@ -21,12 +21,16 @@ one engine per direction, ``bytes / rate``, and no CPU, as DMA takes none; its b
 not moved (the emulated device computes nothing from them). Without one, such copies are
 CPU copies on this machine's cores.
 
-With a memory rate (``emulating(memory_bytes_per_s=...)``) the optimizer's update of a
-layout whose state is the device's (the device share: run by the thread that entered the
-block) is the device's work too: ``memory_work`` queues its bytes at that rate, the rate of
-a fused kernel streaming the device's memory, and its values stay as they were, as the
-units compute nothing. Without one, that update runs on this machine's CPU, on the
-training thread, and holds up the schedule as no GPU kernel would.
+With a memory rate (``emulating(memory_bytes_per_s=...)``) what the device does in its
+own memory is the device's work too, at that rate (a fused kernel's, streaming it), and
+its bytes are not moved (nothing the emulated device computes reads them): the optimizer's
+update of a layout whose state is the device's (the device share, run by the thread that
+entered the block) and the cast of its new weights are kernels on the clock
+(``memory_work``); a copy within the device's memory (``EmulatedCopies.within_device``:
+a device-tier record read into a device buffer, a device value put onto the device tier)
+is time on a copy engine of its own. Without one, that work runs on this machine's CPU,
+the update and the cast on the training thread, holding up the schedule as no GPU kernel
+would; the copies are made, with no host memory traffic counted.
 
 The store sees all of this through one object, ``EmulatedCopies``: the copy strategy its
 tiers are handed (storage/copies.py), which is the store's own until a block runs
@@ -95,6 +99,7 @@ class HostLink:
 _active: DeviceClock | None = None
 _link: HostLink | None = None
 _memory_bytes_per_s: float | None = None
+_memory_copies: DeviceClock | None = None   # the copy engine within the device's memory
 _device_thread: threading.Thread | None = None
 
 
@@ -173,13 +178,31 @@ class EmulatedCopies:
         return active().event() if device_side() else None
 
     def within_device(self, pairs, direction=None) -> None:
-        """A copy within the device's memory: made here (the values stay right), but no
-        host memory's traffic, as on a GPU."""
+        """A copy within the device's memory, no host memory traffic, as on a GPU: with a
+        memory rate, time on its copy engine (read and written) that the caller waits for,
+        as a worker waits for its copy stream; else made here, the values right."""
         if _active is None:
             self._base.within_device(pairs, direction)
             return
+        engine = _memory_copies
+        if engine is not None:
+            nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+            ClockEvent(engine.launch(2 * nbytes / _memory_bytes_per_s)[1]).synchronize()
+            return
         for dst, src in pairs:
             dst.copy_(src)
+
+    def convert_within_device(self, flat, pieces) -> None:
+        """``flat`` <- the concatenation of ``pieces``, converted, all the device's memory:
+        with a memory rate a kernel on the clock (``memory_work``), else made here."""
+        nbytes = flat.numel() * flat.element_size() + sum(
+            p.numel() * p.element_size() for p in pieces)
+        span = memory_work(nbytes) if _active is not None else None
+        if span is None:
+            self._base.convert_within_device(flat, pieces)
+        elif self._record is not None:
+            self._record("device cast", "device", *span, thread="device",
+                         seconds=span[1] - span[0], bytes=nbytes)
 
     def over_link(self, ready) -> bool:
         return _link is not None and device_side() and not isinstance(ready, ClockEvent)
@@ -208,7 +231,7 @@ def emulating(link_bytes_per_s: float | None = None,
     """``with emulating() as clock:`` the device compute of the block is the clock's; with
     ``link_bytes_per_s`` its copies to and from host memory are a host link's, and with
     ``memory_bytes_per_s`` the device share's updates are its memory's (``memory_work``)."""
-    global _active, _link, _device_thread, _memory_bytes_per_s
+    global _active, _link, _device_thread, _memory_bytes_per_s, _memory_copies
     if _active is not None:
         raise RuntimeError("an emulated device is already running")
     if memory_bytes_per_s is not None and memory_bytes_per_s <= 0:
@@ -217,7 +240,8 @@ def emulating(link_bytes_per_s: float | None = None,
     link = HostLink(link_bytes_per_s) if link_bytes_per_s else None
     _active, _link, _device_thread = DeviceClock(), link, threading.current_thread()
     _memory_bytes_per_s = memory_bytes_per_s
+    _memory_copies = DeviceClock() if memory_bytes_per_s else None
     try:
         yield _active
     finally:
-        _active = _link = _device_thread = _memory_bytes_per_s = None
+        _active = _link = _device_thread = _memory_bytes_per_s = _memory_copies = None

@@ -609,6 +609,30 @@ def test_copies_within_the_emulated_devices_memory_are_no_host_traffic(tmp_path)
     assert (plain["crossing"], plain["copy"]) == (4096 + 2048, 2 * 4096 + 2 * 2048 + 6144)
 
 
+def test_with_a_memory_rate_the_emulated_devices_own_copies_are_time_on_it(tmp_path):
+    """With a memory rate, a copy within the device's memory (a device value put onto the
+    device tier, a device-tier record read into a device buffer) takes its bytes read and
+    written over the rate on a copy engine the caller waits for, and a cast of device values
+    into a record is a kernel on the device's clock (a "device cast" span) the host does not
+    wait for; no host memory traffic."""
+    rate, n = 40 * MiB, 2 * MiB            # 0.1 s a copy of 2 MiB (read and written)
+    with TensorStore(str(tmp_path), host_memory_limit=64 * MiB) as store:
+        src, buf = torch.ones(n // 4), torch.empty(n // 4)
+        with emulated_device.emulating(memory_bytes_per_s=rate) as device, \
+                timeline.recording() as recorded:
+            t0 = time.perf_counter()
+            store.put("a", src, tier="gpu").wait()
+            store.get("a", out=buf).wait()
+            assert time.perf_counter() - t0 >= 2 * 2 * n / rate - 0.01
+            t0 = time.perf_counter()
+            store.put_converted("b", [src], torch.bfloat16, tier="gpu")
+            assert time.perf_counter() - t0 < (n + n // 2) / rate / 2
+            device.synchronize()
+        assert sum(store.copies.traffic.snapshot().values()) == 0
+    casts = [s for s in recorded.spans if s["name"] == "device cast"]
+    assert [s["args"]["seconds"] for s in casts] == [pytest.approx((n + n // 2) / rate)]
+
+
 def test_the_emulated_host_link_carries_the_devices_copies_without_the_cpu(tmp_path):
     """With a host link, the device's copies to and from host memory (the thread that runs
     the device puts and gets) take bytes / rate on one engine per direction, in order, and

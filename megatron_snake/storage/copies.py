@@ -244,6 +244,11 @@ class Copies:
         on a machine without one the device's memory is host memory, and counted so."""
         self.copy(pairs, direction)
 
+    def convert_within_device(self, flat, pieces) -> None:
+        """``flat`` <- the concatenation of the 1-D ``pieces``, converted to its dtype, all
+        the compute device's memory (a cast on the device: no host memory touched)."""
+        copy_concatenation([flat], pieces)
+
     def run(self, fn, direction):
         """``fn()`` on the copy stream of ``direction``, done on return; what it returns."""
         return run_copy(self._streams[direction], fn)
