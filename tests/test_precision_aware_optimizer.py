@@ -279,9 +279,10 @@ def test_bf16_training_with_remainders_keeps_todays_fp32_masters(megatron_world,
     assert not torch.equal(ref[0][0], ref[-1][0])
 
 
+@pytest.mark.parametrize("clip", ["1.0", "100"], ids=["clip binds", "clip kept"])
 @pytest.mark.parametrize("tier", ["host", "nvme", "pinned"])
 def test_the_update_replaces_the_working_weights_in_place_under_remainders(
-        megatron_world, tmp_path, monkeypatch, tier):
+        megatron_world, tmp_path, monkeypatch, tier, clip):
     """Under remainders the working weights are the masters' high halves: each part's
     update borrows its record (in host memory: a copy of a unit pinned on the device) and
     replaces the old weights in the same pass that writes the remainders, then gives it
@@ -289,7 +290,9 @@ def test_the_update_replaces_the_working_weights_in_place_under_remainders(
     working-weight record) and every layout's records were borrowed; joined with the
     remainders they are today's fp32 masters at every step, bit for bit (the records are
     the new masters' high halves). Weights and optimizer state on the host tier, on the
-    drive, and the units pinned on the device."""
+    drive, and the units pinned on the device; the backward parts' speculative updates
+    (their new weights written apart, as ``w.next``) updated again where the clip binds,
+    kept where it does not."""
     converted, borrowed = [], []
     put_converted, borrow = TensorStore.put_converted, TensorStore.borrow
 
@@ -305,7 +308,7 @@ def test_the_update_replaces_the_working_weights_in_place_under_remainders(
     monkeypatch.setattr(TensorStore, "borrow", counting_borrow)
     flags = {"host": ["--snake-param-tier", "host", "--snake-optimizer-tier", "host"],
              "nvme": ["--snake-param-tier", "nvme", "--snake-optimizer-tier", "nvme"],
-             "pinned": ["--snake-gpu-memory-limit", "1GiB"]}[tier]
+             "pinned": ["--snake-gpu-memory-limit", "1GiB"]}[tier] + ["--clip-grad", clip]
     batches = [make_microbatches(2, seed=s) for s in range(3)]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
