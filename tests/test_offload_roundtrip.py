@@ -362,6 +362,28 @@ def test_a_value_not_on_host_is_lent_as_a_copy_when_the_pool_has_no_room(tmp_pat
         assert torch.equal(s.get("h").wait(), t - 1)  # value's
 
 
+def test_a_value_on_the_device_is_lent_on_the_host_as_a_copy_with_on_host(tmp_path):
+    """``on_host`` (the CPU changes it): a device record is lent as a host copy, which
+    ``give_back`` copies onto the device again (and ``lent_in_buffers`` tells apart from
+    host buffers); without it the device tensor itself is lent."""
+    with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
+        t = torch.randn(40000)
+        s.put("d", t, tier="gpu").wait()
+        device_tensor = s._entries["d"].gpu
+        pieces = s.borrow("d", on_host=True).wait()
+        assert not s.lent_in_buffers("d")
+        assert all(p.data_ptr() != device_tensor.data_ptr() for p in pieces)
+        for p in pieces:
+            p.mul_(2)
+        assert torch.equal(device_tensor, t), "the device's copy is not changed while lent"
+        s.give_back("d", tier="gpu").wait()
+        assert s.tiers("d") == ["gpu"] and s.pool.resident == 0
+        assert torch.equal(s.get("d").wait(), t * 2)
+        (lent,) = s.borrow("d").wait()
+        assert lent.data_ptr() == s._entries["d"].gpu.data_ptr()
+        s.end_loan("d")
+
+
 def test_deleting_a_borrowed_value_ends_the_loan(tmp_path):
     with TensorStore(tmp_path, host_memory_limit=16 * BUF, buffer_bytes=BUF) as s:
         s.put("g", torch.randn(40000), tier="host").wait()

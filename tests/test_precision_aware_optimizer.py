@@ -279,6 +279,52 @@ def test_bf16_training_with_remainders_keeps_todays_fp32_masters(megatron_world,
     assert not torch.equal(ref[0][0], ref[-1][0])
 
 
+@pytest.mark.parametrize("clip", ["1.0", "100"], ids=["clip binds", "clip kept"])
+@pytest.mark.parametrize("tier", ["host", "nvme", "pinned"])
+def test_the_update_replaces_the_working_weights_in_place_under_remainders(
+        megatron_world, tmp_path, monkeypatch, tier, clip):
+    """Under remainders the working weights are the masters' high halves: each part's
+    update borrows its record (in host memory: a copy of a unit pinned on the device) and
+    replaces the old weights in the same pass that writes the remainders, then gives it
+    back. No converted copy is published (``put_converted`` is never called for a
+    working-weight record) and every layout's records were borrowed; joined with the
+    remainders they are today's fp32 masters at every step, bit for bit (the records are
+    the new masters' high halves). Weights and optimizer state on the host tier, on the
+    drive, and the units pinned on the device; the backward parts' speculative updates
+    (their new weights written apart, as ``w.next``) updated again where the clip binds,
+    kept where it does not."""
+    converted, borrowed = [], []
+    put_converted, borrow = TensorStore.put_converted, TensorStore.borrow
+
+    def counting_put_converted(self, key, *args, **kwargs):
+        converted.append(key)
+        return put_converted(self, key, *args, **kwargs)
+
+    def counting_borrow(self, key, *args, **kwargs):
+        borrowed.append(key)
+        return borrow(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(TensorStore, "put_converted", counting_put_converted)
+    monkeypatch.setattr(TensorStore, "borrow", counting_borrow)
+    flags = {"host": ["--snake-param-tier", "host", "--snake-optimizer-tier", "host"],
+             "nvme": ["--snake-param-tier", "nvme", "--snake-optimizer-tier", "nvme"],
+             "pinned": ["--snake-gpu-memory-limit", "1GiB"]}[tier] + ["--clip-grad", clip]
+    batches = [make_microbatches(2, seed=s) for s in range(3)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, ref = _train(megatron_world, tmp_path / "a", flags, batches, te_working_weights=True)
+    converted.clear()
+    borrowed.clear()
+    _, ours = _train(megatron_world, tmp_path / "b",
+                     ["--use-precision-aware-optimizer", *flags], batches)
+    assert [key for key in converted if key[0] == "w"] == []
+    assert {key[1] for key in borrowed if key[0] == "w"} == set(ours[0])
+    for step, (a, b) in enumerate(zip(ref, ours)):
+        for key in a:
+            assert torch.equal(a[key].view(torch.int32), b[key].view(torch.int32)), \
+                f"step {step + 1}, layout {key}: masters differ"
+
+
 # --- bytes: the pre-flight against the store's counters ----------------------------------
 MODES = {"fp32": [], "remainders": ["--use-precision-aware-optimizer"],
          "remainders+bf16 moments": ["--use-precision-aware-optimizer", "--exp-avg-dtype",

@@ -102,7 +102,7 @@ def states(opt: OffloadedAdamW, precision: Precision, numel: int) -> dict:
         from megatron_snake.optim.precision import split_flat
 
         hi, rem = split_flat(master)
-        lent["master"], lent["w"] = [rem], hi
+        lent["master"], lent["w"] = [rem], [hi]
     else:
         lent["master"] = [opt.states.encode("master", 0, "bwd", master)]
     return lent
@@ -163,7 +163,9 @@ def main(argv=None) -> int:
                 # each optimizer sizes its scratch at its first update, at this chunk
                 host_kernel.CHUNK_ELEMENTS = chunk or default_chunk
                 t0 = time.perf_counter()
-                opt.host_update.run(0, "bwd", hyper, None, lent[label], lambda *_: None)
+                # under remainders the working weights replaced in place, as the worker does
+                opt.host_update.run(0, "bwd", hyper, None, lent[label], lambda *_: None,
+                                    weights_out=lent[label].get("w"))
                 seconds = time.perf_counter() - t0
                 if rnd:
                     runs[label].append(seconds)

@@ -190,24 +190,35 @@ class OffloadedUnits(UnitStore):
         if key == SHARED:   # read again before its next use (kept apart: once renamed)
             self._shared_stale = True
 
-    def weights_sink(self, key, part: str, numel: int, soon: bool = False, name: str = "w"):
+    def weights_sink(self, key, part: str, numel: int, soon: bool = False, name: str = "w",
+                     lent=None):
         """The optimizer's other way to publish: the new record ``(name, key, part)`` of
         ``numel`` working weights lent to be written (``TensorStore.borrow_new``: 1-D pieces
         of the store's host buffers when it has room) and the call that stores it where
         ``publish`` would (``give_back``), so the update's kernel writes each new weight
-        once, into the buffer the device or the drive reads. None where ``publish`` must
-        make them: fp32 weights (the master itself), the shared layout (its resident
-        parameters take them) and a speculative record of a device unit (kept in host
-        memory). A unit read next whose weights live on the drive stays in host memory when
-        the pool has room now, as ``publish`` keeps it, else goes to the drive."""
+        once, into the buffer the device or the drive reads. ``lent``: the record's pieces,
+        borrowed already (``TensorStore.borrow``; under remainders the update replaces the
+        old weights in place): returned with the call that gives it back. Else None where
+        ``publish`` must make them: fp32 weights (the master itself), the shared layout
+        (its resident parameters take them) and a speculative record of a device unit (kept
+        in host memory). A unit read next whose weights live on the drive stays in host
+        memory when they are in the pool's buffers, as ``publish`` keeps it, else goes to
+        the drive."""
         record, tier = (name, key, part), self.tier_of(key)
-        if self.dtype == torch.float32 or key == SHARED or name != "w" and tier == "gpu":
-            return None
-        pieces = self.store.borrow_new(record, (numel,), self.dtype, kind="weights", tier=tier,
-                                       keep_free=self.host_keep_free)
-        if soon and tier == "nvme" and self.store.lent_in_buffers(record):
+        if lent is None:
+            if self.dtype == torch.float32 or key == SHARED or name != "w" and tier == "gpu":
+                return None
+            lent = self.store.borrow_new(record, (numel,), self.dtype, kind="weights",
+                                         tier=tier, keep_free=self.host_keep_free)
+        if soon and key != SHARED and tier == "nvme" and self.store.lent_in_buffers(record):
             tier = "host"   # read next: kept where it was written, until the read evicts it
-        return pieces, lambda: self.store.give_back(record, tier=tier)
+        return lent, functools.partial(self._give_back, record, tier)
+
+    def _give_back(self, record, tier: str) -> None:
+        """The end of ``weights_sink``'s loan: the record stored on ``tier``."""
+        self.store.give_back(record, tier=tier)
+        if record[1] == SHARED:   # read again before its next use, as ``publish`` marks it
+            self._shared_stale = True
 
     def _refresh_shared(self, reads=None) -> None:
         """Updated shared weights into their resident parameters (a collective when data

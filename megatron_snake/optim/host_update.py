@@ -68,12 +68,13 @@ class HostUpdate:
     def run(self, key, part: str, hyper, clip_coef, lent: dict, phase,
             out: dict | None = None, weights_out: list | None = None):
         """Update part ``part`` of layout ``key`` in the lent records ``lent`` ({state:
-        1-D pieces}; "w" too under remainders: the masters' high halves, one tensor) with
+        1-D pieces}; "w" too under remainders: the masters' high halves) with
         ``hyper`` (StepHyper) and the clip coefficient (None: no clip), timing its phases
         with ``phase(name, since)``. ``out``: write the new master weights and moments there
         ({state: 1-D pieces of records of the same dtypes and sizes}, a scaled state's
         scales as the part's next ones) and leave ``lent`` as it is. ``weights_out``: 1-D
-        pieces the new working weights are written into (in the training dtype).
+        pieces the new working weights are written into (in the training dtype; under
+        remainders they may be ``lent["w"]`` itself: each old weight is read, then replaced).
 
         Returns the new working weights to publish, as 1-D pieces: None where they went to
         ``weights_out``; the new master itself where the weights are fp32 (no copy of their
@@ -91,12 +92,9 @@ class HostUpdate:
         numel = sum(x.numel() for x in lent["master"])
         new_master = out.get("master", lent["master"])
         remainders = p.remainders
-        own_weights = weights_out is None and (remainders or p.params != torch.float32)
-        if own_weights:
-            # the new weights to publish: under remainders the old high halves are read
-            # and replaced (a copy of the record, made by the loan's get); else a new tensor
-            weights_out = [lent["w"].reshape(-1)] if remainders and not out else \
-                [torch.empty(numel, dtype=p.params)]
+        own_weights = weights_out is None and p.params != torch.float32
+        if own_weights:   # the new weights to publish
+            weights_out = [torch.empty(numel, dtype=p.params)]
         segments = self._segments(key, part, lent, out, weights_out)
         scaled = [name for name in STATES if p.dtype(name) in SCALED]
         scales = {name: self.states.scales[(name, key, part)] for name in scaled}
@@ -123,7 +121,7 @@ class HostUpdate:
         streams = {name: _Flat(lent[name]) for name in STATES + ("grad",)}
         streams.update({f"{name}_out": _Flat(out[name]) for name in out})
         if self.precision.remainders:
-            streams["weights"] = _Flat([lent["w"].reshape(-1)])
+            streams["weights"] = _Flat(lent["w"])
         if weights_out is not None:
             streams["weights_out"] = _Flat(weights_out)
         pieces = self.states.pieces(key, part)

@@ -87,9 +87,10 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         (``offload.initial_weights.InitialWeights``); by default they are read from the
         parameters. ``precision``: the dtype each state is stored in (default: every one
         fp32). With master-weight remainders the master's high half is the working-weight
-        record ``("w", key, part)``: the update reads it and replaces it (``on_weights``, or
-        itself without one); ``weight_records``: write every layout's first one here
-        (``OffloadedUnits`` writes them itself). ``threads``: the update's CPU threads
+        record ``("w", key, part)``: the update changes it in place and gives it back
+        (where ``weights_sink``'s owner says, else to the optimizer's tier: ``on_weights``
+        then publishes only a speculative update's); ``weight_records``: write every
+        layout's first one here (``OffloadedUnits`` writes them itself). ``threads``: the update's CPU threads
         (default: ``cpu_threads.default_optimizer_threads``). ``speculate``: the layouts
         whose backward part is updated at once even when the step's norm or overflow flag
         must be known first (``_gradient_shard``; none by default). ``device_share``: the
@@ -128,8 +129,9 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
         self._inv_scale = 1.0
         self._read_loss_scale()
         # Called with (layout key, part, new master weights as 1-D pieces, soon) after each
-        # part's update; soon: the weights are read next in this sweep (a deferred part),
-        # not a sweep later.
+        # part's update whose weights ``weights_sink`` does not take (nor, under
+        # remainders, the update changes in place); soon: the weights are read next in this
+        # sweep (a deferred part), not a sweep later.
         self.on_weights = on_weights
         self.param_groups = megatron_param_groups(lr, weight_decay)
         self.iteration = 0           # completed steps
@@ -274,11 +276,15 @@ class OffloadedAdamW(CheckpointState, HostAdamW):
             self.store.put_converted((name, key, part), weights, self.precision.params,
                                      tier=self.tier_of(key), kind="weights")
 
-    def _weights_sink(self, key, part: str, numel: int, soon: bool, name: str):
-        """The worker's ``weights_sink``: ``on_weights``' owner's, when it has one."""
-        if self.weights_sink is None:
+    def _weights_sink(self, key, part: str, numel: int, soon: bool, name: str, lent=None):
+        """The worker's ``weights_sink``: ``on_weights``' owner's, when it has one. Without
+        one, working weights changed in place (``lent``, under remainders) go back to the
+        optimizer's own records' tier."""
+        if self.weights_sink is not None:
+            return self.weights_sink(key, part, numel, soon=soon, name=name, lent=lent)
+        if lent is None:
             return None
-        return self.weights_sink(key, part, numel, soon=soon, name=name)
+        return lent, lambda: self.store.give_back((name, key, part), tier=self.tier_of(key))
 
     # --- backward sweep ----------------------------------------------------------------
     def gradient_ready(self, key, grad: torch.Tensor) -> None:

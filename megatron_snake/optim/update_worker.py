@@ -4,7 +4,9 @@ the order they are submitted, on state borrowed from the store.
 A part's update borrows its master weights, moments and gradient from the store
 (``TensorStore.borrow``: the host tier's bytes themselves when they are in host memory),
 runs the arithmetic (``optim/host_update.py``), hands the new working weights on
-(``publish``) and gives the state back to its tier. A *speculative* update (the clip
+(``publish``) and gives the state back to its tier. Under master-weight remainders the
+working weights are state as well (the masters' high halves): borrowed with the rest and
+replaced in place. A *speculative* update (the clip
 coefficient taken as 1 before the step's norm is known) writes the new state out of place,
 into records of their own (``parts.next_key``, from ``TensorStore.borrow_new``), and leaves
 the state it read and its gradient as they were: the optimizer keeps the new state when the
@@ -41,8 +43,10 @@ class UpdateWorker:
         self.store, self.host_update, self.tier_of = store, host_update, tier_of
         self.remainders = host_update.precision.remainders
         self.publish = publish
-        # weights_sink(key, part, numel, soon, name): the new weights record's pieces for
-        # the kernel to write into, and the call that stores them; None: ``publish``
+        # weights_sink(key, part, numel, soon, name, lent=None): the new weights record's
+        # pieces for the kernel to write into, and the call that stores them; None:
+        # ``publish``. ``lent``: the record's pieces, borrowed and changed in place (under
+        # remainders): the sink returns them, with the call that gives the record back
         self.weights_sink = weights_sink
         self.threads = threads
         self.executor = budgeted_worker(threads, "snake-adamw")
@@ -127,10 +131,11 @@ class UpdateWorker:
         """Start borrowing one part's state and gradient (handles): the update changes the
         host tier's bytes in place, so state read ahead into host memory is neither copied
         out nor copied again into staging on its way back to the drive. With master-weight
-        remainders, the working weights (the masters' high halves) are read too."""
+        remainders the working weights (the masters' high halves) are borrowed too, in host
+        memory (a copy of those on the device: the kernel runs on the CPU)."""
         reads = {name: self.store.borrow((name, key, part)) for name in STATES + ("grad",)}
         if self.remainders:
-            reads["w"] = self.store.get(("w", key, part), device="cpu")
+            reads["w"] = self.store.borrow(("w", key, part), on_host=True)
         return reads
 
     def _next_job(self, job: dict) -> None:
@@ -164,10 +169,11 @@ class UpdateWorker:
                 self._end_loans(key, part, updated)
 
     def _end_loans(self, key, part: str, updated: bool) -> None:
-        """The new state goes back to its tier and the gradient is deleted. After a
-        failure the state is deleted too: its bytes may be half updated in place, and a
-        later read must fail (KeyError) rather than return them; the update's error is
-        raised by its future."""
+        """The new state goes back to its tier and the gradient is deleted (under
+        remainders the working weights went back as they were published). After a failure
+        the state is deleted too, working weights included: its bytes may be half updated
+        in place, and a later read must fail (KeyError) rather than return them; the
+        update's error is raised by its future."""
         if ("grad", key, part) in self.store:
             self.store.delete(("grad", key, part))
         for name in STATES:
@@ -175,6 +181,8 @@ class UpdateWorker:
                 self.store.give_back((name, key, part), tier=self.tier_of(key))
             else:
                 self.store.delete((name, key, part))
+        if self.remainders and not updated:
+            self.store.delete(("w", key, part))
 
     def _update_part(self, key, part: str, hyper, clip_coef, soon: bool, reads: dict) -> None:
         t0 = time.perf_counter()
@@ -191,14 +199,18 @@ class UpdateWorker:
              out: dict | None = None):
         """``host_update.run`` of one part, its new working weights written straight into
         the record ``weights_sink`` lends (the store's host buffers when it has room: no
-        converted copy, no second pass) where it lends one. Returns the call that stores
-        them as record ``(name, key, part)``: the sink's, else ``publish``."""
+        converted copy, no second pass) where it lends one; under remainders, updated in
+        place, into the working weights borrowed (the old high halves, replaced in the same
+        pass), which the sink gives back. Returns the call that stores them as record
+        ``(name, key, part)``: the sink's, else ``publish``."""
         master = lent["master"]
+        numel = sum(p.numel() for p in master)
         sink = None
+        if self.remainders and out is None:
+            sink = self.weights_sink(key, part, numel, soon, name, lent=lent["w"])
         # not for the device share: its update (and the cast of its weights) is the device's
-        if self.weights_sink is not None and not self.remainders and master and \
-                self.tier_of(key) != "gpu":
-            sink = self.weights_sink(key, part, sum(p.numel() for p in master), soon, name)
+        elif self.weights_sink is not None and master and self.tier_of(key) != "gpu":
+            sink = self.weights_sink(key, part, numel, soon, name)
         try:
             weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
                                            out=out, weights_out=sink and sink[0])
@@ -237,9 +249,12 @@ class UpdateWorker:
             self.store.end_loan(("master", key, part))
 
     def _end_speculative_loans(self, key, part: str, updated: bool) -> None:
-        """The state read and the gradient stay as they were, for an update again; the
-        next state goes to its tier, or is deleted after a failure."""
+        """The state read (working weights too, under remainders) and the gradient stay as
+        they were, for an update again; the next state goes to its tier, or is deleted
+        after a failure."""
         self.store.end_loan(("grad", key, part))
+        if self.remainders:
+            self.store.end_loan(("w", key, part))
         for name in STATES:
             # its host copy (read for the update, when the pool had room) stays until the
             # verdict: an update again would read it

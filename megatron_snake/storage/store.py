@@ -371,17 +371,19 @@ class TensorStore:
         return self._chain(self._background if background else self._readers, key,
                            self._run_prefetch, target, room)
 
-    def borrow(self, key):
+    def borrow(self, key, on_host=False):
         """Lend ``key``'s value to the caller to change in place. wait() returns it as 1-D
         views, one per host buffer of its record (the host tier's segments): of the host
         tier's own bytes when it is there (no copy), else of a new tensor read from its
-        tier; a value on the device tier is lent as its device tensor (one view), in place.
-        Two records of the same dtype and size on the host are cut at the same elements. End the
-        loan with ``give_back`` or ``delete``; until then any other operation on the key
-        raises, so nothing reads or moves the bytes while they change."""
+        tier; a value on the device tier is lent as its device tensor (one view), in place,
+        or with ``on_host`` (the CPU changes it) as a host copy read from it, which
+        ``give_back`` copies there again. Two records of the same dtype and size on the
+        host are cut at the same elements. End the loan with ``give_back``, ``end_loan`` or
+        ``delete``; until then any other operation on the key raises, so nothing reads or
+        moves the bytes while they change."""
         with self._lock:
             e = self._entry(key)
-            fut = self._readers.submit(self._run_borrow, e, e.last)
+            fut = self._readers.submit(self._run_borrow, e, e.last, on_host)
             e.last, e.lent = fut, True
         return Handle(fut, self)
 
@@ -426,12 +428,13 @@ class TensorStore:
         return [flat[a // size:b // size] for _, a, b in self._host.segments(nbytes)]
 
     def lent_in_buffers(self, key) -> bool:
-        """Whether ``borrow_new(key)`` lent host buffers of the pool (else a tensor)."""
+        """Whether the loan of ``key`` (``borrow_new``, or ``borrow`` once its wait() has
+        returned) is of host buffers of the pool (else of a tensor)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None or not e.lent:
                 raise RuntimeError(f"lent_in_buffers({key!r}): the key is not lent")
-            return e.lent_copy is None
+            return e.lent_copy is None and not e.lent_gpu
 
     def end_loan(self, key):
         """End ``borrow(key)``'s loan of a value the caller did not change: its copies stay
@@ -760,10 +763,10 @@ class TensorStore:
             if target is self._drive:
                 self._host.drop(e)
 
-    def _run_borrow(self, e, prev):
+    def _run_borrow(self, e, prev, on_host=False):
         with timeline.span(f"borrow {e.kind}", "store", bytes=e.nbytes):
             self._wait_prev(prev)
-            if e.gpu is not None:         # the device's tensor itself: updated on the device
+            if e.gpu is not None and not on_host:   # the device's tensor: changed there
                 e.lent_gpu = True
                 return [e.gpu.reshape(-1)]
             size = torch.tensor([], dtype=e.dtype).element_size()
@@ -775,7 +778,9 @@ class TensorStore:
                 self._prefetch(e, None, self._host, self._room(None))
             if e.host is not None and in_place:
                 return self._host.lend(e)
-            flat = torch.empty(e.nbytes // size, dtype=e.dtype)
+            # pinned when it comes from a GPU (and goes back to it): DMAs both ways
+            flat = torch.empty(e.nbytes // size, dtype=e.dtype,
+                               pin_memory=e.gpu is not None and self.device.type == "cuda")
             self._read_into(e, flat.view(e.shape))
             e.lent_copy = flat
             return [flat[a // size:b // size] for _, a, b in self._host.segments(e.nbytes)]
