@@ -239,8 +239,8 @@ class Preflight:
     rank: int = 0                # the global rank: its directory is rank<N>/
     update: object = None        # UpdateBytes: what optimizer_update counts
     # the process beyond --snake-host-memory-limit: what it holds when the pre-flight runs
-    # (torch, Megatron, the process groups), freed heap glibc may keep for reuse, and on a
-    # CPU the device's working set
+    # (torch, Megatron, the process groups, pretrain's datasets), freed heap glibc may keep
+    # for reuse, and on a CPU the device's working set
     base_rss: int = 0
     device_is_host: bool = False
     limit_given: int | None = None   # --snake-host-memory-limit when given
@@ -293,9 +293,8 @@ class Preflight:
     @property
     def host_bytes(self) -> int:
         """The process's resident memory at its peak: the base measured at the pre-flight,
-        the heap glibc may keep, the limit's, and a CPU device's working set (what comes
-        after the pre-flight besides, the datasets' indices and the activations inside a
-        unit, on top). Within 15% of the OS's peak RSS (``tests/test_bigger_than_memory``)."""
+        the heap glibc may keep, the limit's, and a CPU device's working set (the
+        activations inside a unit come on top). Within 15% of the OS's peak RSS (``tests/test_bigger_than_memory``)."""
         return self.base_rss + HEAP_RETAIN_BYTES + self.host_limit + \
             (self.device_bytes if self.device_is_host else 0)
 
