@@ -653,6 +653,12 @@ def pool_left(limit: int, update: UpdateBytes, partial: int) -> int:
     return (limit - update.nbytes - partial) // DEFAULT_BUFFER_BYTES * DEFAULT_BUFFER_BYTES
 
 
+def least_host_limit_mib(pf: "Preflight") -> int:
+    """The least --snake-host-memory-limit, in MiB, that the run takes: what it holds in
+    host memory outside its pool and a pool of 2 buffers."""
+    return -(-(pf.host_working_set + 2 * DEFAULT_BUFFER_BYTES) >> 20)   # rounded up
+
+
 def short_of_pool(pf: "Preflight") -> HostMemoryError | None:
     """The refusal of a --snake-host-memory-limit that leaves the pool fewer than 2
     buffers after what the run holds outside it, naming the flag and the least it takes;
@@ -660,7 +666,7 @@ def short_of_pool(pf: "Preflight") -> HostMemoryError | None:
     if pf.limit_given is None or pool_left(pf.limit_given, pf.update, pf.partial_gradients) \
             >= 2 * DEFAULT_BUFFER_BYTES:
         return None
-    least = -(-(pf.host_working_set + 2 * DEFAULT_BUFFER_BYTES) >> 20)   # MiB, rounded up
+    least = least_host_limit_mib(pf)
     partial = f" and {size(pf.partial_gradients)} of partial gradients" \
         if pf.partial_gradients else ""
     return HostMemoryError(
