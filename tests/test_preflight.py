@@ -421,6 +421,22 @@ def test_each_tier_that_does_not_fit_is_named(megatron_world, tmp_path, monkeypa
     assert "1.0 MiB is free: free" in lines[2], lines[2]
 
 
+def test_the_datasets_are_in_the_resident_memory_the_preflight_starts_from(
+        megatron_world, tmp_path, monkeypatch, no_model):
+    """The host figure starts from the resident memory measured at the pre-flight: the
+    datasets' indices are counted only when they are built before it."""
+    from megatron_snake.training import loop
+
+    order, build_datasets, run = [], loop.build_gpt_datasets, preflight.run
+    monkeypatch.setattr(loop, "build_gpt_datasets",
+                        lambda *a, **k: order.append("datasets") or build_datasets(*a, **k))
+    monkeypatch.setattr(preflight, "run",
+                        lambda *a, **k: order.append("pre-flight") or run(*a, **k))
+    with pytest.raises(AssertionError, match="the model was built"):
+        loop.pretrain(_args("--snake-offload", "--snake-offload-dir", str(tmp_path)))
+    assert order == ["datasets", "pre-flight"]
+
+
 def test_dry_run_prints_the_estimate_and_builds_nothing(megatron_world, tmp_path, capfd,
                                                         no_model, monkeypatch):
     from megatron_snake.training.loop import pretrain

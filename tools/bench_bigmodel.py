@@ -10,6 +10,10 @@ tier; at the end the raw figures go to ``--json-out``, with the pre-flight's fig
 the process's host memory beside the peak RSS it reached (the OS's VmHWM of this
 process), and the last line is **training state bytes / peak RSS**. The state counted is
 what the run keeps: working weights, fp32 gradients, fp32 master weights and two moments.
+``--host-memory-limit`` is by default the least the pre-flight accepts: what the update's
+largest part holds outside the pool, and a pool of 2 buffers. Any other flag goes to
+pretrain's parser as it is (e.g. ``--snake-speculate off``,
+``--snake-alpha 0.5``: the update's largest part, held in host memory, is smaller).
 
     python tools/bench_bigmodel.py --dir /nvme/bench --json-out bench_out/bigmodel.json
 """
@@ -56,7 +60,7 @@ def layers_for_drive(a, free: int) -> int:
     return max(1, int(a.drive_fraction * free) // per_layer)
 
 
-def flags(a, layers: int, root: str) -> list[str]:
+def flags(a, layers: int, root: str, extra=(), limit: str | None = None) -> list[str]:
     out = ["--num-layers", str(layers), "--hidden-size", str(a.hidden),
            "--num-attention-heads", str(a.hidden // 128), "--seq-length", str(a.seq),
            "--micro-batch-size", "1", "--global-batch-size", str(a.micro_batches),
@@ -64,9 +68,9 @@ def flags(a, layers: int, root: str) -> list[str]:
            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-5",
            "--snake-offload", "--snake-offload-dir", root, "--snake-param-tier", "nvme",
            "--snake-optimizer-tier", "nvme", "--snake-activation-tier", "nvme",
-           "--snake-host-memory-limit", a.host_memory_limit, "--device", "cpu",
+           "--snake-host-memory-limit", limit or a.host_memory_limit, "--device", "cpu",
            "--train-iters", str(a.steps)]
-    return out + (["--bf16"] if a.bf16 else [])
+    return out + (["--bf16"] if a.bf16 else []) + list(extra)
 
 
 def main(argv=None) -> int:
@@ -82,13 +86,20 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="bf16 working weights (default fp32)")
-    p.add_argument("--host-memory-limit", default="256MiB")
+    p.add_argument("--host-memory-limit", default="least",
+                   help="--snake-host-memory-limit, or least: the least the pre-flight accepts "
+                        "(default)")
     p.add_argument("--json-out", default="bench_bigmodel.json")
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    a.pretrain_flags = extra
     root = a.dir or tempfile.mkdtemp(prefix="bench_bigmodel_")
     free = shutil.disk_usage(root).free
     layers = a.layers or layers_for_drive(a, free)
-    args = parse_args(flags(a, layers, root))
+    if a.host_memory_limit == "least":
+        # what the update's largest part and a pool of 2 buffers take: the refusal's figure
+        given = preflight.estimate(parse_args(flags(a, layers, root, extra, "1GiB")), a.vocab)
+        a.host_memory_limit = f"{preflight.least_host_limit_mib(given)}MiB"
+    args = parse_args(flags(a, layers, root, extra))
     device = torch.device("cpu")
     distributed.initialize(device=device, seed=args.seed)
     # as pretrain: the pre-flight sizes the pool to what --snake-host-memory-limit leaves

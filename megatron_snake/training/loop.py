@@ -279,6 +279,18 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
     log = TrainLog(args, vocab, device, rank=rank, trackers=trackers)
     for note in notes:
         log.print(note)
+    # the data files are checked before the offload directory and the model are made, and
+    # before the pre-flight, whose host figure starts from the resident memory it measures:
+    # the datasets' indices are in it (a dry run builds nothing, and predicts without them)
+    if not args.snake_dry_run:
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            mock=args.mock_data, data_path=args.data_path, split=args.split,
+            train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+            test_data_path=args.test_data_path, eod_mask_loss=args.eod_mask_loss,
+            seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+            data_cache_path=args.data_cache_path,
+            num_samples=num_samples_for(args.train_iters, args.global_batch_size,
+                                        args.eval_interval, args.eval_iters))
     with preflight.dry_run_verdict(args, log.print):
         if args.snake_hardware:  # --snake-auto's choice, or --snake-dry-run's prediction
             auto_config.configure(args, vocab, log=log.print)
@@ -286,15 +298,6 @@ def _pretrain(args: argparse.Namespace, closing: contextlib.ExitStack) -> list[f
             preflight.run(args, vocab, rank=rank, log=log.print)
     if args.snake_dry_run:
         return []
-    # the data files are checked before the offload directory and the model are made
-    train_ds, valid_ds, _ = build_gpt_datasets(
-        mock=args.mock_data, data_path=args.data_path, split=args.split,
-        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path, eod_mask_loss=args.eod_mask_loss,
-        seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
-        data_cache_path=args.data_cache_path,
-        num_samples=num_samples_for(args.train_iters, args.global_batch_size,
-                                    args.eval_interval, args.eval_iters))
     with build_run(args, device, vocab, rank=rank, log=log.print) as run:
         trainer = Trainer(run, log, train_ds, valid_ds, exit_conditions=exit_conditions,
                           profiler=StepProfiler(args, device, rank) if args.profile else None)

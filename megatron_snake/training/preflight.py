@@ -239,8 +239,8 @@ class Preflight:
     rank: int = 0                # the global rank: its directory is rank<N>/
     update: object = None        # UpdateBytes: what optimizer_update counts
     # the process beyond --snake-host-memory-limit: what it holds when the pre-flight runs
-    # (torch, Megatron, the process groups), freed heap glibc may keep for reuse, and on a
-    # CPU the device's working set
+    # (torch, Megatron, the process groups, pretrain's datasets), freed heap glibc may keep
+    # for reuse, and on a CPU the device's working set
     base_rss: int = 0
     device_is_host: bool = False
     limit_given: int | None = None   # --snake-host-memory-limit when given
@@ -293,9 +293,8 @@ class Preflight:
     @property
     def host_bytes(self) -> int:
         """The process's resident memory at its peak: the base measured at the pre-flight,
-        the heap glibc may keep, the limit's, and a CPU device's working set (what comes
-        after the pre-flight besides, the datasets' indices and the activations inside a
-        unit, on top). Within 15% of the OS's peak RSS (``tests/test_bigger_than_memory``)."""
+        the heap glibc may keep, the limit's, and a CPU device's working set (the
+        activations inside a unit come on top). Within 15% of the OS's peak RSS (``tests/test_bigger_than_memory``)."""
         return self.base_rss + HEAP_RETAIN_BYTES + self.host_limit + \
             (self.device_bytes if self.device_is_host else 0)
 
@@ -654,6 +653,12 @@ def pool_left(limit: int, update: UpdateBytes, partial: int) -> int:
     return (limit - update.nbytes - partial) // DEFAULT_BUFFER_BYTES * DEFAULT_BUFFER_BYTES
 
 
+def least_host_limit_mib(pf: "Preflight") -> int:
+    """The least --snake-host-memory-limit, in MiB, that the run takes: what it holds in
+    host memory outside its pool and a pool of 2 buffers."""
+    return -(-(pf.host_working_set + 2 * DEFAULT_BUFFER_BYTES) >> 20)   # rounded up
+
+
 def short_of_pool(pf: "Preflight") -> HostMemoryError | None:
     """The refusal of a --snake-host-memory-limit that leaves the pool fewer than 2
     buffers after what the run holds outside it, naming the flag and the least it takes;
@@ -661,7 +666,7 @@ def short_of_pool(pf: "Preflight") -> HostMemoryError | None:
     if pf.limit_given is None or pool_left(pf.limit_given, pf.update, pf.partial_gradients) \
             >= 2 * DEFAULT_BUFFER_BYTES:
         return None
-    least = -(-(pf.host_working_set + 2 * DEFAULT_BUFFER_BYTES) >> 20)   # MiB, rounded up
+    least = least_host_limit_mib(pf)
     partial = f" and {size(pf.partial_gradients)} of partial gradients" \
         if pf.partial_gradients else ""
     return HostMemoryError(
