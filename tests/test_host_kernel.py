@@ -507,3 +507,24 @@ def test_the_bound_moves_the_same_bytes():
                              w.data_ptr(), n, threads=2, isa=isa)
             assert torch.equal(pp, want_p) and torch.equal(mm, want_m) and torch.equal(vv, want_v)
             assert torch.equal(w, (pp.view(torch.int32) >> 16).to(torch.int16))
+
+
+def test_the_host_update_benchmark_runs_every_variant(tmp_path):
+    """tools/bench_host_update.py on a small part, every precision mode: each variant timed,
+    each ratio a positive rate (it calls the kernel's entry points as the update does)."""
+    if hk.implementation().startswith("torch"):
+        pytest.skip(f"the update runs {hk.implementation()}")
+    import importlib.util
+    import json
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        "bench_host_update.py")
+    spec = importlib.util.spec_from_file_location("bench_host_update", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "out.json"
+    assert bench.main(["--params", "4099", "--rounds", "1", "--json-out", str(out),
+                       "--modes", *bench.PRECISION_MODES]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["variants"]) == 3 + 2 * len(bench.PRECISION_MODES)
+    assert len(result["ratios"]) == 2 + len(bench.PRECISION_MODES)
+    assert all(r > 0 for r in result["ratios"].values())

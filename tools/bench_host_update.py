@@ -13,10 +13,9 @@ fp32 states, bf16 working weights (the fp32 path of a --bf16 run):
   with trivial arithmetic, on the same threads, stores and instruction set.
 
 With ``--modes`` also the precision-aware modes (Megatron-Core's store_param_remainders
-under --bf16, with fp32 or bf16 moments by default, fp16 or fp8 on request): today's chunked
-update
-(``OffloadedAdamW._update_chunked`` on states lent as one host buffer, as
-``tools/bench_optimizer_rate.py`` runs it) against the native kernel on the same bytes.
+under --bf16, with fp32 or bf16 moments by default, fp16 or fp8 on request): the update's
+torch path (``host_kernel``'s fallback without the native build: torch's passes over fp32
+chunks, the same bits) against the native kernel on the same bytes.
 
 Variants alternate, round after round (round 0 warms up: page faults, scratch), so a slow
 second of this shared machine lands on all of them alike; each figure is the median of the
@@ -35,7 +34,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 
@@ -88,60 +86,40 @@ def bound(s: dict, threads: int) -> None:
 
 
 class PrecisionMode:
-    """One precision-aware mode: today's chunked update of a one-parameter layout (states
-    lent as one host buffer each), and the native kernel's on the same kind of states."""
+    """One precision-aware mode (remainders, the moments in ``PRECISION_MODES``' dtype, a
+    scaled dtype with one scale for the part): the update's torch path (``host_kernel``'s
+    fallback: torch's passes in fp32 chunks, the same bits) against the native kernel, each
+    on states of its own."""
 
-    def __init__(self, mode: str, n: int, store):
-        from megatron_snake.optim.offloaded_adamw import OffloadedAdamW
-        from megatron_snake.optim.precision import REMAINDER, Precision, split_flat
-        from megatron_snake.optim.unit_params import FlatLayout, Segment, UnitParams
+    def __init__(self, mode: str, n: int):
+        from megatron_snake.optim.precision import quantize, split_flat
 
         moments = PRECISION_MODES[mode]
-        self.precision = Precision(params=BF16, master=REMAINDER, exp_avg=moments,
-                                   exp_avg_sq=moments)
-        param = torch.nn.Parameter(torch.empty(0))
-        layout = FlatLayout(0, [Segment("weight", param, 0, n, True, torch.Size([n]), 0)])
-        params = UnitParams(units=[layout], shared=FlatLayout("shared", []), shared_owner=None)
-
-        class Initial:   # the first values, without a parameter holding them
-            def flat(self, layout, *, dtype, device="cpu"):
-                return torch.zeros(n, dtype=dtype)
-
-        self.opt = OffloadedAdamW(params, store, alpha=0.0, tier="host",
-                                  precision=self.precision, initial=Initial(),
-                                  weight_records=False, **{k: HYPER[k] for k in
-                                                           ("lr", "weight_decay")})
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            for part in ("bwd", "fwd"):
-                store.delete((name, 0, part))   # only the lent copies below are used
         self.states, self.scales = {}, {}
         for who in ("torch", "native"):
             s = fp32_states(n, seed=2)
             hi, rem = split_flat(s["master"])
-            # in the mode's dtype, with a scaled dtype's scales recorded (the optimizer's
-            # own _encode: one piece, the whole parameter)
-            lent = {name: [self.opt._encode(name, 0, "bwd", s[name])]
-                    for name in ("exp_avg", "exp_avg_sq")}
-            self.states[who] = {"grad": [s["grad"]], "master": [rem], "w": hi, **lent}
-            self.scales[who] = {name: self.opt._scales[(name, 0, "bwd")]
-                                for name in ("exp_avg", "exp_avg_sq")
-                                if (name, 0, "bwd") in self.opt._scales}
-        self.opt._scales.update({(name, 0, "bwd"): scale
-                                 for name, scale in self.scales["torch"].items()})
+            state = {"grad": s["grad"], "master": rem, "w": hi}
+            scales = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                state[name] = torch.empty(n, dtype=moments)
+                multiplier = quantize(s[name].clone(), moments, state[name])
+                if moments not in (torch.float32, BF16):
+                    scales[name] = [multiplier]
+            self.states[who], self.scales[who] = state, scales
 
-    def today(self, step: int, coef: torch.Tensor) -> None:
-        from megatron_snake.optim.offloaded_adamw import StepHyper
-
-        self.opt._update_chunked(0, "bwd", StepHyper(step, HYPER["lr"], HYPER["weight_decay"]),
-                                 coef, self.states["torch"])
-
-    def native(self, step: int, threads: int) -> None:
-        s = self.states["native"]
-        seg = host_kernel.Segment(s["grad"][0], s["master"][0], s["exp_avg"][0],
-                                  s["exp_avg_sq"][0], weights=s["w"])
-        new = host_kernel.adamw_update([seg], step=step, clip=CLIP, threads=threads,
-                                       scales=self.scales["native"], **HYPER)
-        self.scales["native"].update(new)
+    def run(self, who: str, step: int, threads: int) -> None:
+        s = self.states[who]
+        seg = host_kernel.Segment(s["grad"], s["master"], s["exp_avg"], s["exp_avg_sq"],
+                                  weights=s["w"])
+        kw = dict(step=float(step), clip=CLIP, scales=self.scales[who],
+                  weights_rounding="te", **HYPER)
+        if who == "torch":
+            new = host_kernel._torch_update([seg], **kw)
+        else:
+            new = host_kernel._native_update([seg], host_kernel._choose()[1], threads=threads,
+                                             **kw)
+        self.scales[who].update(new)
 
 
 def cpu_model() -> str:
@@ -187,39 +165,28 @@ def main(argv=None) -> int:
     fp32 = {"three passes": fp32_states(n, 1), "native": fp32_states(n, 1),
             "bound": fp32_states(n, 1)}
     runs: dict = {name: [] for name in fp32}
-    with tempfile.TemporaryDirectory() as tmp:
-        store = None
-        modes = {}
-        if a.modes:
-            from megatron_snake.storage.store import TensorStore
-
-            store = TensorStore(tmp, rank=0, host_memory_limit=1 << 30)
-            modes = {mode: PrecisionMode(mode, n, store) for mode in a.modes}
-            for mode in modes:
-                runs[f"{mode}: today"] = []
-                runs[f"{mode}: native"] = []
-        try:
-            for rnd in range(a.rounds + 1):   # round 0 warms up
-                step = rnd + 1
-                jobs = [("three passes", lambda: three_passes(fp32["three passes"], step, coef)),
-                        ("native", lambda: native(fp32["native"], step, a.threads)),
-                        ("bound", lambda: bound(fp32["bound"], a.threads))]
-                for mode, m in modes.items():
-                    jobs.append((f"{mode}: today", lambda m=m: m.today(step, coef)))
-                    jobs.append((f"{mode}: native", lambda m=m: m.native(step, a.threads)))
-                if rnd % 2:   # alternate the order too
-                    jobs.reverse()
-                for name, job in jobs:
-                    t0 = time.perf_counter()
-                    job()
-                    seconds = time.perf_counter() - t0
-                    if rnd:
-                        runs[name].append(seconds)
-        finally:
-            for m in modes.values():
-                m.opt.close()
-            if store is not None:
-                store.close()
+    modes = {mode: PrecisionMode(mode, n) for mode in a.modes}
+    for mode in modes:
+        runs[f"{mode}: torch path"] = []
+        runs[f"{mode}: native"] = []
+    for rnd in range(a.rounds + 1):   # round 0 warms up
+        step = rnd + 1
+        jobs = [("three passes", lambda: three_passes(fp32["three passes"], step, coef)),
+                ("native", lambda: native(fp32["native"], step, a.threads)),
+                ("bound", lambda: bound(fp32["bound"], a.threads))]
+        for mode, m in modes.items():
+            jobs.append((f"{mode}: torch path",
+                         lambda m=m: m.run("torch", step, a.threads)))
+            jobs.append((f"{mode}: native",
+                         lambda m=m: m.run("native", step, a.threads)))
+        if rnd % 2:   # alternate the order too
+            jobs.reverse()
+        for name, job in jobs:
+            t0 = time.perf_counter()
+            job()
+            seconds = time.perf_counter() - t0
+            if rnd:
+                runs[name].append(seconds)
 
     medians = {name: statistics.median(s) for name, s in runs.items()}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -241,7 +208,8 @@ def main(argv=None) -> int:
     ratios = {"native / three passes": medians["three passes"] / medians["native"],
               "native / bound": medians["bound"] / medians["native"]}
     for mode in modes:
-        ratios[f"{mode}: native / today"] = medians[f"{mode}: today"] / medians[f"{mode}: native"]
+        ratios[f"{mode}: native / torch path"] = \
+            medians[f"{mode}: torch path"] / medians[f"{mode}: native"]
     result["ratios"] = ratios
     with open(a.json_out, "w") as f:
         json.dump(result, f, indent=1)
