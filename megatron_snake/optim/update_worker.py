@@ -38,15 +38,14 @@ class UpdateWorker:
     only during the call) for the record ``(name, key, part)``, before its state is given
     back."""
 
-    def __init__(self, store, host_update, *, tier_of, threads: int, publish,
-                 weights_sink=None):
+    def __init__(self, store, host_update, *, tier_of, threads: int, publish, weights_sink):
         self.store, self.host_update, self.tier_of = store, host_update, tier_of
         self.remainders = host_update.precision.remainders
         self.publish = publish
         # weights_sink(key, part, numel, soon, name, lent=None): the new weights record's
-        # pieces for the kernel to write into, and the call that stores them; None:
-        # ``publish``. ``lent``: the record's pieces, borrowed and changed in place (under
-        # remainders): the sink returns them, with the call that gives the record back
+        # pieces for the kernel to write into, and the call that stores them; or None where
+        # ``publish`` stores them. ``lent``: the record's pieces, borrowed and changed in
+        # place (under remainders): the sink returns them, with the call that gives it back
         self.weights_sink = weights_sink
         self.threads = threads
         self.executor = budgeted_worker(threads, "snake-adamw")
@@ -209,7 +208,7 @@ class UpdateWorker:
         if self.remainders and out is None:
             sink = self.weights_sink(key, part, numel, soon, name, lent=lent["w"])
         # not for the device share: its update (and the cast of its weights) is the device's
-        elif self.weights_sink is not None and master and self.tier_of(key) != "gpu":
+        elif master and self.tier_of(key) != "gpu":
             sink = self.weights_sink(key, part, numel, soon, name)
         try:
             weights = self.host_update.run(key, part, hyper, clip_coef, lent, self._phase,
