@@ -197,7 +197,7 @@ class EmulatedCopies:
         with a memory rate a kernel on the clock (``memory_work``), else made here."""
         nbytes = flat.numel() * flat.element_size() + sum(
             p.numel() * p.element_size() for p in pieces)
-        span = memory_work(nbytes) if _active is not None else None
+        span = memory_work(nbytes)   # None outside emulating() or without a memory rate
         if span is None:
             self._base.convert_within_device(flat, pieces)
         elif self._record is not None:

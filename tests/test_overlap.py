@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -592,9 +592,7 @@ def test_copies_within_the_emulated_devices_memory_are_no_host_traffic(tmp_path)
         (tmp_path / str(emulate)).mkdir()
         with TensorStore(str(tmp_path / str(emulate)), host_memory_limit=64 * MiB) as store:
             src, buf = torch.arange(1024.0), torch.empty(1024)
-            block = emulated_device.emulating() if emulate else contextmanager(
-                lambda: (yield))()
-            with block:
+            with emulated_device.emulating() if emulate else nullcontext():
                 store.put("a", src, tier="gpu").wait()
                 store.get("a", out=buf).wait()
                 store.put_converted("b", [src[:512], src[512:]], torch.bfloat16,
